@@ -13,9 +13,51 @@ update (Algorithm 1) -> train loop -> evaluation -> toy experiment -> CLI.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+
+# ====== Config: one dataclass, paper defaults (PAPER.md Sec. 1, 3, 4) ======
+
+
+@dataclass
+class Config:
+    """Every field is settable as `--field value`; presets (PRESETS) change a few for smaller machines.
+    Names shared with TRL's GRPOConfig keep TRL's spelling."""
+
+    # --- method
+    alpha: float = 0.3
+    """Advantage Reweighting strength, Eq. 4; 0 turns AR off (paper: 0.3 on K&K, 0.1 on math)."""
+    lopti: bool = True
+    """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
+    eta: float = 0.5
+    """Lopti's probability threshold: tokens with pi_old < eta are updated in the first pass."""
+    lopti_order: str = "low_first"
+    """'low_first' is the paper's method; 'high_first' is its ablation (worse than GRPO in the paper)."""
+    # --- PPO / GRPO update
+    epsilon: float = 0.2
+    """Lower clip range of the ratio (official clip_ratio_low)."""
+    epsilon_high: float = 0.24
+    """Upper clip range of the ratio (official clip_ratio_high)."""
+    dual_clip: float = 10.0
+    """Dual-clip constant c for negative advantages (official code; not in the paper's text)."""
+    beta: float = 0.001
+    """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
+    learning_rate: float = 1e-6
+    """AdamW learning rate, constant."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip per optimiser step."""
+    mini_batch_size: int = 256
+    """Responses per optimiser step (paper: 512 responses per RL step -> 2 steps per pass)."""
+    micro_batch_size: int = 4
+    """Responses per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    num_iterations: int = 1
+    """PPO epochs over the rollout batch per update pass (paper: 1)."""
 
 
 # ====== Core math: group advantage, log-probs, AR (Eq. 4), Lopti masks (Alg. 1), loss ======
@@ -207,3 +249,68 @@ def policy_loss(
             "tokens": float(mask.sum()),
         }
     return loss, stats
+
+
+# ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
+
+
+def update_policy(
+    cfg: Config,
+    logprob_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+) -> dict[str, float]:
+    """One RL step's update on a rollout batch: Advantage Reweighting (Eq. 4), then one GRPO pass or,
+    with `cfg.lopti`, Lopti's two complete passes (Algorithm 1).
+
+    `batch` holds (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and
+    whatever `logprob_fn` needs; `logprob_fn(micro_batch)` returns the current (b, T) log-probs with
+    gradients. Each pass walks the batch in mini-batches of `cfg.mini_batch_size` rows, one AdamW step
+    each, accumulating over micro-batches of `cfg.micro_batch_size` rows with the mini-batch's token
+    count as the shared denominator. Lopti's split is made once from pi_old; stage 2 starts from stage
+    1's weights, keeps the same old log-probs (its ratio already sees stage 1's drift) and the optimiser
+    state. Returns per-pass means of the loss statistics and grad norms.
+    """
+    B = batch["mask"].shape[0]
+    mask = batch["mask"].bool()
+    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], cfg.alpha)  # (B, T); AR before Lopti
+    if cfg.lopti:
+        low, high = lopti_masks(batch["old_logprobs"], mask, cfg.eta)
+        stages = [("low", low), ("high", high)]
+        if cfg.lopti_order == "high_first":
+            stages.reverse()
+    else:
+        stages = [("all", mask)]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = {"ar_weight": float((cfg.alpha * batch["old_logprobs"].float().exp() + 1 - cfg.alpha)[mask].mean())}
+    for name, stage_mask in stages:
+        token_sums: dict[str, float] = {}  # token-weighted sums of policy_loss's stats
+        losses, grad_norms, total = [], [], 0.0
+        for _ in range(cfg.num_iterations):
+            for start in range(0, B, cfg.mini_batch_size):
+                rows = slice(start, min(start + cfg.mini_batch_size, B))
+                n = int(mask[rows].sum())  # token-mean over the whole mini-batch, in every stage
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                for m in range(rows.start, rows.stop, cfg.micro_batch_size):
+                    micro = slice(m, min(m + cfg.micro_batch_size, rows.stop))
+                    sub = {k: v[micro] for k, v in batch.items()}
+                    loss, stats = policy_loss(
+                        logprob_fn(sub), sub["old_logprobs"], adv[micro] * stage_mask[micro], mask[micro],
+                        epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip,
+                        ref_logprobs=sub.get("ref_logprobs"), beta=cfg.beta, kl_mask=stage_mask[micro],
+                        num_tokens=n)
+                    loss.backward()
+                    loss_sum += loss.item()
+                    t = stats.pop("tokens")
+                    total += t
+                    for k, v in stats.items():
+                        token_sums[k] = token_sums.get(k, 0.0) + v * t
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+                optimizer.step()
+                losses.append(loss_sum)
+        out.update({f"{name}/{k}": v / max(total, 1.0) for k, v in token_sums.items()})
+        out[f"{name}/loss"] = sum(losses) / max(len(losses), 1)
+        out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        out[f"{name}/token_share"] = float(stage_mask.sum()) / max(float(mask.sum()), 1.0)
+    return out
