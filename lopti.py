@@ -12,12 +12,23 @@ update (Algorithm 1) -> train loop -> evaluation -> toy experiment -> CLI.
 """
 from __future__ import annotations
 
+import argparse
+import ast
+import inspect
+import json
 import math
-from dataclasses import dataclass
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
 
 
 # ====== Config: one dataclass, paper defaults (PAPER.md Sec. 1, 3, 4) ======
@@ -25,8 +36,9 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class Config:
-    """Every field is settable as `--field value`; presets (PRESETS) change a few for smaller machines.
-    Names shared with TRL's GRPOConfig keep TRL's spelling."""
+    """Every field is settable as `--field value`; PRESETS change a few for smaller machines.
+    Defaults are the paper's K&K run (PAPER.md Sec. 1); names shared with TRL's GRPOConfig keep TRL's
+    spelling (num_generations, temperature, max_completion_length, epsilon, epsilon_high, beta, ...)."""
 
     # --- method
     alpha: float = 0.3
@@ -34,30 +46,82 @@ class Config:
     lopti: bool = True
     """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
     eta: float = 0.5
-    """Lopti's probability threshold: tokens with pi_old < eta are updated in the first pass."""
+    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official name: seperate_prob)."""
     lopti_order: str = "low_first"
     """'low_first' is the paper's method; 'high_first' is its ablation (worse than GRPO in the paper)."""
     # --- PPO / GRPO update
     epsilon: float = 0.2
-    """Lower clip range of the ratio (official clip_ratio_low)."""
+    """Lower clip range of the ratio."""
     epsilon_high: float = 0.24
-    """Upper clip range of the ratio (official clip_ratio_high)."""
+    """Upper clip range of the ratio (the official K&K scripts clip asymmetrically)."""
     dual_clip: float = 10.0
     """Dual-clip constant c for negative advantages (official code; not in the paper's text)."""
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
-    """AdamW learning rate, constant."""
+    """AdamW learning rate, constant (betas 0.9/0.999)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip per optimiser step."""
     mini_batch_size: int = 256
-    """Responses per optimiser step (paper: 512 responses per RL step -> 2 steps per pass)."""
+    """Responses per optimiser step (paper: 512 responses per RL step -> 2 optimiser steps per pass)."""
     micro_batch_size: int = 4
     """Responses per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
     num_iterations: int = 1
-    """PPO epochs over the rollout batch per update pass (paper: 1)."""
+    """PPO epochs over the rollout batch in each update pass (paper: 1)."""
+    # --- rollout
+    model: str = "Qwen/Qwen2.5-3B-Instruct"
+    """Hugging Face hub id or local folder of a causal LM (an instruct model with a chat template)."""
+    prompts_per_step: int = 64
+    """Prompts per RL step; each gets num_generations samples."""
+    num_generations: int = 8
+    """Group size G: samples per prompt."""
+    temperature: float = 0.7
+    """Sampling temperature T; every log-prob is computed from logits / T."""
+    max_completion_length: int = 4096
+    """Longest generated completion, in tokens."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_completion_length without EOS out of the loss."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in the update's forward passes."""
+    # --- data and schedule
+    train_data: str = "generate"
+    """'generate' (fresh puzzles), a .jsonl/.parquet file, or a hub dataset (see kk_load)."""
+    num_people: str = "3-7"
+    """Puzzle sizes to generate: 'lo-hi' or one number."""
+    num_train: int = 4480
+    """Generated training puzzles (paper: 70 steps of 64 prompts per data epoch)."""
+    steps: int = 350
+    """RL steps (paper: 5 data epochs)."""
+    eval_data: str = "generate"
+    """'generate' (puzzles from a seed disjoint from training) or a file / hub dataset."""
+    eval_size: int = 20
+    """Generated evaluation puzzles per number of people."""
+    eval_every: int = 50
+    """Evaluate every this many steps (0 = only at the end)."""
+    eval_batch_size: int = 32
+    """Prompts per greedy-generation batch in evaluation."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and always at the end or on Ctrl-C)."""
+    output_dir: str = "runs/lopti"
+    """Checkpoints, metrics.jsonl and config.json go here."""
+    seed: int = 0
+    """Seeds data order, sampling and generated puzzles."""
+
+    def __post_init__(self):
+        checks = [
+            ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"), ("eta", 0 < self.eta <= 1, "in (0, 1]"),
+            ("lopti_order", self.lopti_order in ("low_first", "high_first"), "'low_first' or 'high_first'"),
+            ("epsilon", self.epsilon >= 0, ">= 0"), ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
+            ("dual_clip", self.dual_clip > 1, "> 1"), ("beta", self.beta >= 0, ">= 0"),
+            ("learning_rate", self.learning_rate > 0, "> 0"), ("temperature", self.temperature > 0, "> 0"),
+        ] + [(f, getattr(self, f) >= 1, ">= 1") for f in (
+            "mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
+            "max_completion_length", "num_train", "eval_size", "eval_batch_size")]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
 # ====== Core math: group advantage, log-probs, AR (Eq. 4), Lopti masks (Alg. 1), loss ======
@@ -251,6 +315,146 @@ def policy_loss(
     return loss, stats
 
 
+# ====== Model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old) ======
+
+
+def pick_device() -> torch.device:
+    """cuda -> mps -> cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def autocast(device: torch.device):
+    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The parameters (and AdamW's state) stay fp32:
+    at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def load_model(name: str, device: torch.device):
+    """A causal LM in fp32 with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=torch.float32, attn_implementation="sdpa")
+    for module in model.modules():  # dropout would make the first ratio != 1 (STYLE.md pitfalls)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model.to(device)
+
+
+def load_tokenizer(name: str):
+    """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_pretrained(AutoTokenizer, name)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # masks are built from positions, so pad == EOS is safe
+    return tokenizer
+
+
+def _from_pretrained(cls, name: str, **kwargs):
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not path.is_dir():
+            raise FileNotFoundError(f"no model folder at {name!r}: pass a folder written by save_pretrained "
+                                    "or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+        return cls.from_pretrained(str(path), **kwargs)
+    try:
+        return cls.from_pretrained(name, **kwargs)
+    except OSError as e:
+        raise OSError(f"could not load {name!r}: there is no local folder of that name, and the Hugging Face "
+                      "hub did not serve it. Check the id; the hub needs internet (offline, pass a local folder "
+                      "written by save_pretrained).") from e
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the generation config's EOS ids (Qwen has two) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of the response tokens, built from positions: up to and including the first EOS.
+
+    Returns (mask (B, C) bool, truncated (B,) bool: no EOS at all). Building it from token values instead
+    (`tokens != pad`) drops the generated EOS when pad == EOS, and the model never learns to stop.
+    Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
+        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]
+    """
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
+    truncated = ~is_eos.any(dim=1)  # (B,)
+    # the number of EOS strictly before each position: 0 means "not yet stopped"
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (B, C)
+    return eos_before == 0, truncated
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
+                      temperature: float) -> torch.Tensor:
+    """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
+
+    Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
+    exactly as it would alone (models with absolute positions are wrong without them). Only the logits
+    that predict the completion are computed (logits_to_keep), which keeps the (B, T, V) tensor small.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=num_completion + 1, use_cache=False).logits  # (B, C + 1, V)
+    return token_logprobs(logits[:, :-1], input_ids[:, -num_completion:], temperature)  # (B, C)
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False):
+    """Sample one completion per prompt (repeat prompts for groups) from pi_old at `cfg.temperature`.
+
+    Sampling is plain softmax(z / T): no top-k, top-p or repetition penalty from the model's generation
+    config, because pi_old must be the distribution the tokens were drawn from. Returns a dict with the
+    left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
+    (B, C), `truncated` (B,) and the decoded completion `texts`.
+    """
+    from transformers import GenerationConfig
+
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    eos_ids = eos_token_ids(model, tokenizer)
+    # Unset fields are filled from the model's own generation config (Qwen's has top_p 0.8, top_k 20,
+    # repetition_penalty 1.05), so every knob that reshapes the distribution is set to "off" here.
+    sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
+    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
+                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
+    with autocast(device):
+        out = model.generate(**enc, generation_config=gen_cfg)  # (B, P + C)
+    completions = out[:, enc["input_ids"].shape[1]:]  # (B, C)
+    mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
+    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
+    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated,
+            "texts": texts}
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device) -> torch.Tensor:
+    """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference."""
+    model.eval()
+    C = batch["mask"].shape[1]
+    out = []
+    for i in range(0, batch["mask"].shape[0], cfg.micro_batch_size):
+        rows = slice(i, i + cfg.micro_batch_size)
+        with autocast(device):
+            out.append(sequence_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows], C,
+                                         cfg.temperature))
+    return torch.cat(out)  # (B, C) float32
+
+
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
 
 
@@ -284,6 +488,7 @@ def update_policy(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out = {"ar_weight": float((cfg.alpha * batch["old_logprobs"].float().exp() + 1 - cfg.alpha)[mask].mean())}
     for name, stage_mask in stages:
+        t0 = time.perf_counter()
         token_sums: dict[str, float] = {}  # token-weighted sums of policy_loss's stats
         losses, grad_norms, total = [], [], 0.0
         for _ in range(cfg.num_iterations):
@@ -313,4 +518,314 @@ def update_policy(
         out[f"{name}/loss"] = sum(losses) / max(len(losses), 1)
         out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out[f"{name}/token_share"] = float(stage_mask.sum()) / max(float(mask.sum()), 1.0)
+        out[f"time/update_{name}"] = time.perf_counter() - t0
     return out
+
+
+# ====== Training loop: rollout -> reward -> advantage -> pi_old -> update, with checkpoints ======
+
+
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
+    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics."""
+    G = cfg.num_generations
+    t0 = time.perf_counter()
+    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
+    batch = rollout(model, tokenizer, prompts, cfg, device)
+    t1 = time.perf_counter()
+    solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
+    rewards = torch.tensor([kk_reward(THINK_PREFIX + text, sol) for text, sol in zip(batch["texts"], solutions)])
+    if cfg.mask_truncated:
+        batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
+    batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
+    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device)  # (B, C), fixed for this step
+    if ref_model is not None:
+        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device)
+    t2 = time.perf_counter()
+
+    def logprob_fn(micro: dict) -> torch.Tensor:
+        with autocast(device):
+            return sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["mask"].shape[1],
+                                     cfg.temperature)
+
+    model.train()  # for gradient checkpointing; dropout is off (load_model)
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
+    stats = update_policy(cfg, logprob_fn, optimizer, tensors)
+    lengths = batch["mask"].sum(1).float()
+    grouped = rewards.view(-1, G)
+    return {
+        "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
+        "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
+        "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
+        "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
+        "learning_rate": optimizer.param_groups[0]["lr"], **stats,
+        "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
+        "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
+    }
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def parse_num_people(spec: str) -> int | tuple[int, int]:
+    """'3-7' -> (3, 7); '5' -> 5."""
+    try:
+        lo, _, hi = spec.partition("-")
+        return (int(lo), int(hi)) if hi else int(lo)
+    except ValueError:
+        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}") from None
+
+
+def load_task_data(cfg: Config):
+    """Training rows and evaluation rows (evaluation puzzles never appear in training)."""
+    train = (kk_generate(cfg.num_train, parse_num_people(cfg.num_people), seed=cfg.seed)
+             if cfg.train_data == "generate" else kk_load(cfg.train_data))
+    if cfg.eval_data == "generate":
+        spec = parse_num_people(cfg.num_people)
+        lo, hi = spec if isinstance(spec, tuple) else (spec, spec)
+        from datasets import concatenate_datasets
+
+        evals = concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
+                                      for n in range(lo, hi + 1)])
+    else:
+        evals = kk_load(cfg.eval_data)
+    seen = set(train["quiz"])
+    return train, evals.filter(lambda row: row["quiz"] not in seen)
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled row order of one data epoch; a pure function of (seed, epoch), so resuming replays it."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
+    """Row indices of the prompts of RL step `step` (0-based): consecutive slices of the epoch orders."""
+    first, last = step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step  # positions in the data stream
+    orders = {e: epoch_order(num_rows, cfg.seed, e) for e in range(first // num_rows, (last - 1) // num_rows + 1)}
+    return [orders[i // num_rows][i % num_rows] for i in range(first, last)]
+
+
+# Checkpoints: <output_dir>/checkpoint/ holds the latest one. A new one is written to checkpoint.tmp/ and
+# renamed over the old one only when complete, so a crash mid-save never leaves a broken latest checkpoint.
+
+
+def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int) -> Path:
+    out = Path(cfg.output_dir)
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if old.exists() and not final.exists():  # a crash between the two renames below: restore first
+        old.rename(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg)},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)  # the commit point
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(output_dir: str) -> Path | None:
+    """The latest complete checkpoint (a crash between the two renames leaves it in checkpoint.old/)."""
+    for name in ("checkpoint", "checkpoint.old"):
+        path = Path(output_dir) / name
+        if (path / "trainer_state.pt").exists():
+            return path
+    return None
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
+    out = Path(cfg.output_dir)
+    B = cfg.prompts_per_step * cfg.num_generations
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
+                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
+                         f"{cfg.micro_batch_size}")
+    ckpt = latest_checkpoint(cfg.output_dir)
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}/; start without --resume")
+    if not resume and (ckpt is not None or (out / "metrics.jsonl").exists()):
+        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
+                              "--output_dir")
+    device = pick_device()
+    torch.manual_seed(cfg.seed)
+    train_rows, eval_rows = load_task_data(cfg)
+    model = load_model(str(ckpt) if resume else cfg.model, device)
+    tokenizer = load_tokenizer(str(ckpt) if resume else cfg.model)
+    ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
+                                  weight_decay=cfg.weight_decay)
+    start = 0
+    if resume:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        start = state["step"]
+        _truncate_metrics(out / "metrics.jsonl", start)  # drop steps logged after the checkpoint
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+    stop = {"requested": False}
+
+    def on_sigint(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
+
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    step = start
+    try:
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
+        for step in bar:
+            rows = train_rows[step_rows(len(train_rows), cfg, step)]
+            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
+            done = step + 1 == cfg.steps or stop["requested"]
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
+                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
+            append_jsonl(out / "metrics.jsonl", metrics)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
+                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
+            if stop["requested"]:
+                print(f"stopped after step {step + 1}; continue with --resume")
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    return out / "checkpoint"
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+# ====== Evaluation: greedy accuracy per number of people (PAPER.md Sec. 5) ======
+
+
+def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
+    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people."""
+    rewards, sizes = [], []
+    for i in range(0, len(rows), cfg.eval_batch_size):
+        chunk = rows[i : i + cfg.eval_batch_size]
+        batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
+        rewards += [kk_reward(THINK_PREFIX + t, s) for t, s in zip(batch["texts"], chunk["solution_text_format"])]
+        sizes += [len(names) for names in chunk["names"]]
+    out = {}
+    for n in sorted(set(sizes)):
+        r = [x for x, k in zip(rewards, sizes) if k == n]
+        out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
+        out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
+    out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
+    return out
+
+
+# ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======
+
+PRESETS: dict[str, dict] = {
+    # a laptop CPU: a 135M instruct model, 3-person puzzles, short completions; minutes, not hours
+    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="3", num_train=256, steps=20,
+                prompts_per_step=4, num_generations=4, max_completion_length=256, mini_batch_size=16,
+                micro_batch_size=4, eval_size=16, eval_every=10, eval_batch_size=16, save_every=10,
+                output_dir="runs/cpu"),
+    # a free Colab GPU (16 GB): Qwen2.5-0.5B-Instruct, 3-5 people, 1k-token completions
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=200, prompts_per_step=8,
+                  num_generations=8, max_completion_length=1024, mini_batch_size=32, micro_batch_size=4,
+                  gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
+    # one large GPU: the paper's Qwen2.5-3B-Instruct run (the Config defaults)
+    "gpu": dict(micro_batch_size=8, gradient_checkpointing=True, output_dir="runs/gpu"),
+}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def config_parser(prog: str) -> argparse.ArgumentParser:
+    """--preset, --resume and one --field for every Config field (unset fields are absent)."""
+    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="settings for a machine size (see PRESETS)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --output_dir from its "
+                        "latest checkpoint, with its saved config (explicit --field values override it)")
+    types = {"float": float, "int": int, "str": str, "bool": _parse_bool}
+    docs = _field_docs()
+    for f in fields(Config):
+        names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+        parser.add_argument(*sorted(names), dest=f.name, type=types[f.type], metavar=f.type.upper(),
+                            help=f"{docs.get(f.name, '')} (default {f.default!r})")
+    return parser
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring under each Config field, for --help (the dataclass above is the one place to edit)."""
+    body = ast.parse(inspect.getsource(Config)).body[0].body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def resolve_config(args: dict) -> Config:
+    """Defaults < preset < (on --resume) the run's saved config < explicit --field values."""
+    preset = PRESETS[args["preset"]] if "preset" in args else {}
+    explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
+    values = {**preset, **explicit}
+    if args.get("resume"):
+        saved = Path(values.get("output_dir", Config.output_dir)) / "config.json"
+        if not saved.exists():
+            raise FileNotFoundError(f"--resume: {saved} not found; is --output_dir the run's folder?")
+        values = {**json.loads(saved.read_text()), **explicit}
+    return Config(**values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = ("toy", "train", "eval")
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        sys.exit(f"usage: python lopti.py {{{','.join(commands)}}} [options]; --help after a command lists them")
+    command, rest = argv[0], argv[1:]
+    if command == "toy":
+        toy_main(rest)
+        return
+    args = vars(config_parser(f"lopti.py {command}").parse_args(rest))
+    cfg = resolve_config(args)
+    if command == "train":
+        print(f"done: {train(cfg, resume=args.get('resume', False))}")
+        return
+    device = pick_device()
+    model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
+    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
+    results = evaluate(model, tokenizer, rows, cfg, device)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
