@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
 import json
 import math
 import os
+import random
+import re
 import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
+import datasets
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -313,6 +318,334 @@ def policy_loss(
             "tokens": float(mask.sum()),
         }
     return loss, stats
+
+
+# ====== Knights and Knaves: the paper's task (Sec. 5; Logic-RL's data and reward) ======
+# PAPER.md §7. Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves)
+# as Logic-RL ships it; reward: Logic-RL's verl/utils/reward_score/kk.py (the same file in AR-Lopti).
+
+
+KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy = share of completions scoring exactly this
+KK_FORMAT_ERROR = -3.0  # format -1 and the answer is not read (-2)
+THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; kk_reward expects it in the text
+KK_SYSTEM_PROMPT = (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
+    "then provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
+    "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
+    "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
+    "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n"
+)
+KK_NAMES = tuple((  # the benchmark's name list (all 51 occur in the official rows)
+    "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin Amelia "
+    "Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia Logan Avery "
+    "Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley Matthew Aria "
+    "Joseph Lily Luke Aurora David Zoey Oliver Penelope"
+).split())
+_KK_PREAMBLE = ("A very special island is inhabited only by knights and knaves. "
+                "Knights always tell the truth, and knaves always lie. ")
+_KK_QUESTION = "So who is a knight and who is a knave?"
+_KK_SAYINGS = (  # the benchmark's 18 speech templates, each seen in the official rows
+    "{name} said that {content}.", "{name} told you that {content}.", '{name} said, "{content}."',
+    '{name} stated, "{content}".', 'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
+    '{name} remarked, "{content}".', '"{content}," {name} declared.', '{name} was heard saying, "{content}".',
+    "{name} expressed that {content}.", '"{content}" - {name}.', 'As {name} put it, "{content}".',
+    '{name} asserted: "{content}".', '"{content}," {name} mentioned.', '{name} commented, "{content}".',
+    'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
+)
+KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
+    "quiz": datasets.Value("string"),
+    "names": datasets.List(datasets.Value("string")),
+    "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
+    "solution_text": datasets.Value("string"),
+    "solution_text_format": datasets.Value("string"),  # the reward's ground truth
+    "statements": datasets.Value("string"),  # the official Python-literal tuple, 0-based person indices
+    "num_people": datasets.Value("int64"),
+})
+_KK_OPS = {"not": (1, 1), "and": (1, None), "or": (1, None), "->": (2, 2), "<=>": (2, 2)}  # (min, max) args
+
+
+@functools.lru_cache(maxsize=None)
+def _kk_knight_masks(n):
+    """Bit a of masks[i] is set iff person i is a knight in assignment a (itertools.product order)."""
+    # product([True, False], repeat=n) makes person i False exactly when bit n-1-i of the counter is set
+    return tuple(sum(1 << a for a in range(2 ** n) if not (a >> (n - 1 - i)) & 1) for i in range(n))
+
+
+def _kk_truth(stmt, masks, full):
+    """Truth of a statement in all 2^n assignments at once, as a bitmask (bit a = true in assignment a)."""
+    if not isinstance(stmt, (tuple, list)) or not stmt:
+        raise ValueError(f"statement must be a non-empty tuple, got {stmt!r}")
+    op, args = stmt[0], stmt[1:]
+    if op in ("telling-truth", "lying"):
+        if len(args) != 1 or not isinstance(args[0], int) or not 0 <= args[0] < len(masks):
+            raise ValueError(f"leaf {stmt!r} needs one person index in 0..{len(masks) - 1}")
+        return masks[args[0]] if op == "telling-truth" else full ^ masks[args[0]]
+    if op not in _KK_OPS:
+        raise ValueError(f"unknown operator {op!r} in {stmt!r}; allowed: telling-truth, lying, "
+                         f"{', '.join(_KK_OPS)}")
+    lo, hi = _KK_OPS[op]
+    if len(args) < lo or (hi is not None and len(args) > hi):
+        raise ValueError(f"operator {op!r} got {len(args)} operand(s) in {stmt!r}")
+    vals = [_kk_truth(a, masks, full) for a in args]
+    if op == "not":
+        return full ^ vals[0]
+    if op == "and":
+        return functools.reduce(lambda x, y: x & y, vals)
+    if op == "or":
+        return functools.reduce(lambda x, y: x | y, vals)
+    if op == "->":
+        return (full ^ vals[0]) | vals[1]
+    return full ^ (vals[0] ^ vals[1])  # "<=>"
+
+
+def kk_solve(statements):
+    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n.
+
+    `statements` is the official tuple (one statement per person) or its string, parsed with
+    ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
+    come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
+    """
+    if isinstance(statements, str):
+        statements = ast.literal_eval(statements)  # a literal only, never eval: rows may come from anywhere
+    if not isinstance(statements, (tuple, list)) or not statements:
+        raise ValueError(f"statements must be a non-empty tuple of statements, got {statements!r}")
+    n = len(statements)
+    masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
+    ok = full
+    for i, stmt in enumerate(statements):
+        ok &= full ^ (masks[i] ^ _kk_truth(stmt, masks, full))  # speaker truthful iff knight
+    return [[not (a >> (n - 1 - i)) & 1 for i in range(n)] for a in range(2 ** n) if (ok >> a) & 1]
+
+
+def _kk_sample_statement(rng, n, speaker):
+    """One statement by `speaker`, drawn from the benchmark's grammar (depth 2, width 2; PAPER.md §7)."""
+    def leaf():
+        """A leaf; the benchmark never lets the speaker call himself a knave, bare or in a compound."""
+        while True:
+            cand = (rng.choice(("telling-truth", "lying")), rng.randrange(n))
+            if cand != ("lying", speaker):
+                return cand
+    kind = rng.randrange(6)  # 1/6 each: leaf, not, and, or, ->, <=>
+    if kind == 0:
+        return leaf()
+    if kind == 1:
+        return ("not", leaf())
+    first, second = leaf(), leaf()
+    while second == first:  # two distinct operands
+        second = leaf()
+    return (("and", "or", "->", "<=>")[kind - 2], first, second)
+
+
+def _kk_leaf_text(names, leaf, negate=False):
+    """'X is (not) a knight/knave' for a leaf."""
+    role = "a knight" if leaf[0] == "telling-truth" else "a knave"
+    return f"{names[leaf[1]]} is {'not ' if negate else ''}{role}"
+
+
+def _kk_statement_text(names, stmt):
+    """The benchmark's English for one statement (depth <= 2)."""
+    if stmt[0] == "not":
+        return _kk_leaf_text(names, stmt[1], negate=True)
+    if stmt[0] in ("and", "or"):
+        return f" {stmt[0]} ".join(_kk_leaf_text(names, s) for s in stmt[1:])
+    if stmt[0] == "->":
+        return f"If {_kk_leaf_text(names, stmt[1])} then {_kk_leaf_text(names, stmt[2])}"
+    if stmt[0] == "<=>":
+        return f"{_kk_leaf_text(names, stmt[1])} if and only if {_kk_leaf_text(names, stmt[2])}"
+    return _kk_leaf_text(names, stmt)
+
+
+def _kk_solution_texts(names, solution):
+    """(solution_text, solution_text_format) exactly as the official rows write them."""
+    parts = [f"{name} is {'a knight' if knight else 'a knave'}" for name, knight in zip(names, solution)]
+    text = ", ".join(parts[:-1]) + ", and " + parts[-1] + "."  # the benchmark's ", and" even for two people
+    return text, "\n".join(f"({i}) {p}" for i, p in enumerate(parts, 1))
+
+
+def kk_generate(n, num_people=(3, 7), seed=0):
+    """`n` K&K puzzles with exactly one solution, in the official schema (KK_FEATURES).
+
+    num_people: an int, or an inclusive (lo, hi) range drawn uniformly per puzzle; allowed 2..8 (the
+    benchmark's sizes; the paper trains on 3..7). Reproducible: everything comes from random.Random(seed).
+    Like the benchmark, a statement tuple is never repeated within one call.
+    """
+    bounds = (num_people,) * 2 if isinstance(num_people, int) else num_people
+    lo, hi = tuple(bounds) if isinstance(bounds, (tuple, list)) and len(bounds) == 2 else (None, None)
+    if not (isinstance(lo, int) and isinstance(hi, int) and 2 <= lo <= hi <= 8):
+        raise ValueError(f"num_people must be an int or an inclusive (lo, hi) range within 2..8 with "
+                         f"lo <= hi, got {num_people!r}")
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    rng, seen, rows = random.Random(seed), set(), []
+    for _ in range(n):
+        k = rng.randint(lo, hi)
+        for _try in range(10_000):  # two-person puzzles run out after a few hundred distinct ones
+            statements = tuple(_kk_sample_statement(rng, k, i) for i in range(k))
+            if statements not in seen:
+                solutions = kk_solve(statements)
+                if len(solutions) == 1:
+                    break
+        else:
+            raise ValueError(f"n={n}: only {len(rows)} distinct {k}-person puzzles found; "
+                             f"ask for fewer puzzles or more people")
+        seen.add(statements)
+        names = rng.sample(KK_NAMES, k)
+        said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_statement_text(names, s))
+                        for i, s in enumerate(statements))
+        quiz = (f"{_KK_PREAMBLE}You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}. "
+                f"{said} {_KK_QUESTION}")
+        text, text_format = _kk_solution_texts(names, solutions[0])
+        rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
+                     "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
+    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
+
+
+def _kk_as_tuple(x):
+    """Nested lists (JSON has no tuples) as nested tuples, so repr() gives the official string."""
+    return tuple(_kk_as_tuple(y) for y in x) if isinstance(x, list) else x
+
+
+def _kk_normalise(row):
+    """One loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
+    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL keeps the answer here
+    text_format = row.get("solution_text_format") or truth.get("solution_text_format")
+    statements = row.get("statements") or truth.get("statements")
+    if not isinstance(statements, str):  # a JSON list of lists; the official form is the tuple's repr
+        statements = repr(_kk_as_tuple(statements))
+    roles = kk_parse_solution(text_format)
+    names, solution = list(roles), [role == "knight" for role in roles.values()]
+    for key, value in (("names", names), ("solution", solution)):
+        if row.get(key) is not None and list(row[key]) != value:
+            raise ValueError(f"{key} {list(row[key])} disagrees with solution_text_format ({value})")
+    if kk_solve(statements) != [solution]:
+        raise ValueError(f"statements {statements} do not have the unique solution {solution}")
+    text = row.get("solution_text") or _kk_solution_texts(names, solution)[0]
+    return {"quiz": row["quiz"], "names": names, "solution": solution, "solution_text": text,
+            "solution_text_format": text_format, "statements": statements, "num_people": len(names)}
+
+
+_KK_HUB_NAME = re.compile(r"[\w-]+/[\w.-]+(:[\w.-]+(/[\w.-]+)?)?")
+_KK_FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip")
+
+
+def kk_load(source):
+    """K&K puzzles from a local file or the Hugging Face hub, normalised to KK_FEATURES and validated.
+
+    source: a `.parquet`, `.jsonl` or `.json` path in the K&K benchmark's format (quiz, statements,
+    solution_text_format, ...) or Logic-RL's (the same plus prompt/reward_model; solution_text_format and
+    statements are taken from reward_model.ground_truth when the top-level columns are absent); or a hub
+    dataset "OWNER/NAME", "OWNER/NAME:SPLIT" or "OWNER/NAME:CONFIG/SPLIT" (default split "train"). The
+    benchmark is "K-and-K/knights-and-knaves" with configs "train"/"test" and splits "2ppl".."8ppl", e.g.
+    "K-and-K/knights-and-knaves:test/3ppl". Files and hub go through the same datasets.load_dataset.
+    """
+    source = str(source)
+    if not os.path.exists(source) and _KK_HUB_NAME.fullmatch(source) \
+            and not source.split(":")[0].lower().endswith(_KK_FILE_SUFFIXES):
+        name, _, sel = source.partition(":")
+        config, _, split = sel.rpartition("/")
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split or "train")
+        except OSError as e:  # ConnectionError (offline, no network) and missing-repo errors are OSErrors
+            raise ConnectionError(
+                f"could not load {source!r} from the Hugging Face hub: the hub needs internet (and "
+                f"HF_HUB_OFFLINE must be unset). Offline, pass a local .parquet/.jsonl file or make puzzles "
+                f"with kk_generate(n). Cause: {type(e).__name__}: {e}") from e
+    else:
+        path = Path(source).expanduser()
+        builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"kk_load: unknown file type {path.suffix!r} for {source!r}; "
+                             f"accepted: .parquet, .jsonl, .json, or a hub dataset name")
+        if not path.is_file():
+            raise FileNotFoundError(f"kk_load: no such file: {source!r}")
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    truth = ds.features.get("reward_model", {})  # Logic-RL: {ground_truth: {...}, style}
+    have = set(ds.column_names) | set(truth.get("ground_truth", ()) if isinstance(truth, dict) else ())
+    missing = [c for c in ("quiz", "solution_text_format", "statements") if c not in have]
+    if missing:
+        raise ValueError(f"kk_load: {source!r} lacks column(s) {', '.join(missing)}; accepted formats: the "
+                         f"K&K benchmark's (quiz, statements, solution_text_format, ...) or Logic-RL's "
+                         f"(quiz + reward_model.ground_truth.{{solution_text_format, statements}})")
+    rows = []
+    for i, row in enumerate(ds):
+        try:
+            rows.append(_kk_normalise(row))
+        except (ValueError, SyntaxError) as e:  # literal_eval raises either on a malformed string
+            raise ValueError(f"kk_load: {source!r} row {i}: {e}") from e
+    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
+
+
+def kk_prompt(tokenizer, quiz):
+    """The prompt text for one quiz: Logic-RL's system prompt, the quiz, and the pre-filled THINK_PREFIX.
+
+    With a chat template this is apply_chat_template([system, user]) + "<think>"; the user turn is
+    quiz + "\\n" because Logic-RL's hand-written ChatML prompt has "{quiz}\\n<|im_end|>", so a Qwen2.5
+    template reproduces the official prompt byte for byte. Without a chat template (base models) a plain
+    "...\\nUser: {quiz}\\nAssistant: <think>" layout, like Logic-RL's base template, is used with a warning
+    (Python's default warning filter shows it once per process).
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": KK_SYSTEM_PROMPT}, {"role": "user", "content": quiz + "\n"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text + THINK_PREFIX
+    warnings.warn("kk_prompt: the tokenizer has no chat template, so a plain 'User: ... Assistant:' template "
+                  "is used; an instruct model (e.g. Qwen2.5-*-Instruct) is recommended", UserWarning)
+    return f"{KK_SYSTEM_PROMPT}\nUser: {quiz}\nAssistant: {THINK_PREFIX}"
+
+
+def kk_parse_solution(solution_text_format):
+    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", per line.
+
+    Logic-RL's parse: the first word of letters on each line is the name, the next knight/knave its role.
+    """
+    if not isinstance(solution_text_format, str):
+        raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
+    roles = {}
+    for line in solution_text_format.split("\n"):
+        m = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line.strip(), re.IGNORECASE)
+        if m:
+            roles[m.group(1)] = m.group(2).lower()
+    if not roles:
+        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
+                         f"{solution_text_format!r}")
+    return roles
+
+
+_KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def kk_reward(completion, solution_text_format):
+    """Logic-RL's K&K reward of one completion: 3 (correct), -0.5 (wrong), -1 (unreadable answer), -3.
+
+    `completion` is the assistant text with the pre-filled THINK_PREFIX in front. Format +1 iff each tag
+    of <think></think><answer></answer> occurs exactly once and in that order, else -1 and the answer is
+    not read (answer -2). Answer (inside <answer>...</answer>): the number of "knight"/"knave" substrings
+    must equal the number of people and every name must match r"\\bNAME\\b\\s+is\\s+a\\s+\\b(knight|knave)\\b"
+    (case-insensitive, first match), else -2; then +2 if all roles are right, -1.5 if any is wrong.
+    Logic-RL scores the decoded prompt + response after its first "Assistant:" (else after
+    "<|im_start|>assistant"); its ChatML prompts contain no "Assistant:", so that equals keeping the text
+    after the first "Assistant:" of the assistant text, if any, which is done here. Never raises on model
+    text; a non-string completion scores -3.
+    """
+    truth = kk_parse_solution(solution_text_format)
+    if not isinstance(completion, str):
+        return KK_FORMAT_ERROR
+    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
+    positions = [text.find(tag) for tag in _KK_TAGS]
+    if any(text.count(tag) != 1 for tag in _KK_TAGS) or positions != sorted(positions):
+        return KK_FORMAT_ERROR
+    answer = text[positions[2] + len("<answer>"):positions[3]]  # the only <answer> block
+    lowered = answer.lower()  # an empty answer (Logic-RL checks it first) fails this count as well
+    if lowered.count("knight") + lowered.count("knave") != len(truth):
+        return -1.0
+    predicted = {}
+    for name in truth:
+        m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+        if m is None:
+            return -1.0
+        predicted[name] = m.group(1).lower()
+    return KK_MAX_REWARD if predicted == truth else -0.5
 
 
 # ====== Model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old) ======

@@ -145,7 +145,7 @@ def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(tin
     a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, resumed))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
-    last = [json.loads(x) for x in (tmp_path / p / "metrics.jsonl").read_text().splitlines()[-1:] for p in "ab"]
+    last = [json.loads((tmp_path / p / "metrics.jsonl").read_text().splitlines()[-1]) for p in "ab"]
     assert last[0]["reward"] == last[1]["reward"]
 
 
