@@ -764,7 +764,8 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
                                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
     with autocast(device):
-        out = model.generate(**enc, generation_config=gen_cfg)  # (B, P + C)
+        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                             generation_config=gen_cfg)  # (B, P + C); no token_type_ids (4.x tokenizers add them)
     completions = out[:, enc["input_ids"].shape[1]:]  # (B, C)
     mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
     texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
