@@ -1,0 +1,101 @@
+"""update_policy, Algorithm 1: AR before the split, low pass then high pass from the updated weights, the
+same pi_old in both passes, one optimiser step per mini-batch, micro-batching that changes nothing."""
+import dataclasses
+
+import pytest
+import torch
+
+from lopti import Config, group_advantages, lopti_masks, policy_loss, reweight_advantages, token_logprobs, update_policy
+
+V, B, T = 11, 6, 5
+
+
+def _problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(V, V, generator=g, dtype=torch.float64)
+    x = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    with torch.no_grad():
+        old = token_logprobs(x @ weight, tokens)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 2.0, 0.0, 0.0, 1.0]), group_size=3)
+    batch = {"x": x, "tokens": tokens, "mask": mask, "old_logprobs": old, "advantages": adv}
+    return weight, batch
+
+
+def _run(cfg, weight, batch, optim=torch.optim.SGD, **optim_kw):
+    w = torch.nn.Parameter(weight.clone())
+    opt = optim([w], lr=0.5, **optim_kw)
+    steps = []
+    opt.register_step_post_hook(lambda *a: steps.append(1))
+    stats = update_policy(cfg, lambda mb: token_logprobs(mb["x"] @ w, mb["tokens"]), opt, batch)
+    return w.detach(), stats, len(steps)
+
+
+def _grad(w, batch, adv, stage, n):
+    w = w.clone().requires_grad_()
+    lp = token_logprobs(batch["x"] @ w, batch["tokens"])
+    loss, _ = policy_loss(lp, batch["old_logprobs"], adv * stage, batch["mask"], kl_mask=stage, num_tokens=n)
+    loss.backward()
+    return w.grad
+
+
+BASE = Config(alpha=0.0, lopti=False, beta=0.0, max_grad_norm=1e9, mini_batch_size=B, micro_batch_size=B)
+
+
+@pytest.mark.parametrize("order", ["low_first", "high_first"])
+def test_lopti_is_two_sequential_passes_with_the_same_pi_old(order):
+    weight, batch = _problem()
+    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, eta=0.5, lopti_order=order)
+    got, stats, n_steps = _run(cfg, weight, batch)
+    # by hand: AR first, split once from pi_old, then w1 = w0 - lr g_first(w0), w2 = w1 - lr g_second(w1)
+    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], 0.3)
+    low, high = lopti_masks(batch["old_logprobs"], batch["mask"], 0.5)
+    first, second = (low, high) if order == "low_first" else (high, low)
+    n = int(batch["mask"].sum())
+    w1 = weight - 0.5 * _grad(weight, batch, adv, first, n)
+    w2 = w1 - 0.5 * _grad(w1, batch, adv, second, n)
+    torch.testing.assert_close(got, w2)
+    assert n_steps == 2
+    assert stats["low/token_share"] + stats["high/token_share"] == pytest.approx(1.0)
+    # the second pass's first log-ratio already sees the first pass's drift
+    assert stats[("high" if order == "low_first" else "low") + "/kl_old"] != 0.0
+
+
+def test_grpo_is_one_pass_and_alpha_zero_changes_nothing():
+    weight, batch = _problem(1)
+    got, stats, n_steps = _run(BASE, weight, batch)
+    n = int(batch["mask"].sum())
+    adv = batch["advantages"].unsqueeze(1).float()
+    torch.testing.assert_close(got, weight - 0.5 * _grad(weight, batch, adv, batch["mask"], n))
+    assert n_steps == 1 and set(k.split("/")[0] for k in stats if "/" in k) == {"all", "time"}
+    assert stats["ar_weight"] == 1.0
+
+
+def test_lopti_and_ar_change_the_update():
+    weight, batch = _problem(2)
+    results = [_run(dataclasses.replace(BASE, alpha=a, lopti=lo), weight, batch)[0]
+               for a, lo in [(0.0, False), (0.3, False), (0.0, True), (0.3, True)]]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not torch.allclose(results[i], results[j])
+
+
+def test_micro_batching_does_not_change_the_update_and_mini_batches_are_optimizer_steps():
+    weight, batch = _problem(3)
+    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, mini_batch_size=3, micro_batch_size=3)
+    ref, _, n_ref = _run(cfg, weight, batch, optim=torch.optim.AdamW)
+    got, _, n_got = _run(dataclasses.replace(cfg, micro_batch_size=1), weight, batch, optim=torch.optim.AdamW)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+    assert n_ref == n_got == 2 * (B // 3)  # two passes x two mini-batches
+    _, _, n_epochs = _run(dataclasses.replace(cfg, num_iterations=2), weight, batch)
+    assert n_epochs == 2 * 2 * (B // 3)
+
+
+def test_gradient_clipping_is_applied_per_optimizer_step():
+    weight, batch = _problem(4)
+    unclipped, stats, _ = _run(BASE, weight, batch)
+    clipped, _, _ = _run(dataclasses.replace(BASE, max_grad_norm=1e-3), weight, batch)
+    step = (clipped - weight).norm().item()
+    assert step == pytest.approx(0.5 * 1e-3, rel=1e-4) and stats["all/grad_norm"] > 1e-3
+    assert (unclipped - weight).norm().item() > step
