@@ -923,14 +923,15 @@ def load_task_data(cfg: Config):
     if cfg.eval_data == "generate":
         spec = parse_num_people(cfg.num_people)
         lo, hi = spec if isinstance(spec, tuple) else (spec, spec)
-        from datasets import concatenate_datasets
-
-        evals = concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
+        evals = datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
                                       for n in range(lo, hi + 1)])
     else:
         evals = kk_load(cfg.eval_data)
     seen = set(train["quiz"])
-    return train, evals.filter(lambda row: row["quiz"] not in seen)
+    evals = evals.filter(lambda row: row["quiz"] not in seen)
+    if len(evals) == 0:
+        raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
+    return train, evals
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
@@ -1018,7 +1019,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
         start = state["step"]
         _truncate_metrics(out / "metrics.jsonl", start)  # drop steps logged after the checkpoint
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
 
     stop = {"requested": False}
 
@@ -1051,11 +1052,22 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the metrics of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    _atomic_write(path, "".join(keep))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -56,7 +56,7 @@ def build_model(kind: str, path: Path) -> Path:
     # SmolLM2-Instruct's special tokens: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2 (EOS of the chat turn)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     corpus = conftest._corpus() + [lopti.KK_SYSTEM_PROMPT] * 20
-    puzzles = lopti.kk_generate(3000, (2, 8), seed=12345)  # a seed unlike the benchmark's prompts
+    puzzles = lopti.kk_generate(2000, (3, 8), seed=12345)  # a seed unlike the benchmark's prompts
     corpus += [q + "\n" + s for q, s in zip(puzzles["quiz"], puzzles["solution_text_format"])]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -104,14 +104,27 @@ def bench_child(args) -> dict:
     rss_after_load = lopti.peak_memory_gb(device)
     prompt_tokens = [len(tokenizer(lopti.kk_prompt(tokenizer, q), add_special_tokens=False)["input_ids"])
                      for q in data["quiz"]]
+    # split time/logprobs into pi_old and reference: wrap the module-level function train_step calls
+    split = {"old": 0.0, "ref": 0.0}
+    batched_logprobs = lopti.batched_logprobs
+
+    def timed_logprobs(m, *a, **kw):
+        t = time.perf_counter()
+        out = batched_logprobs(m, *a, **kw)
+        split["ref" if m is ref_model else "old"] += time.perf_counter() - t
+        return out
+
+    lopti.batched_logprobs = timed_logprobs
     steps = []
     for i in range(args.steps + 1):
+        split.update(old=0.0, ref=0.0)
         rows = data[i * P:(i + 1) * P]
         t = time.perf_counter()
         m = lopti.train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)
         m["time/step"] = time.perf_counter() - t
         phases = sum(v for k, v in m.items() if k.startswith("time/") and k != "time/step")
         m["time/other"] = m["time/step"] - phases  # reward, advantages, stats, bookkeeping
+        m["logprobs_old_s"], m["logprobs_ref_s"] = split["old"], split["ref"]  # parts of time/logprobs
         if i > 0:  # step 0 is the warm-up
             steps.append(m)
         print(f"  [{args.variant} beta={args.beta}] step {i}{' (warm-up)' if i == 0 else ''}: "
@@ -133,12 +146,15 @@ PHASES = ["time/rollout", "time/logprobs", "time/update_all", "time/update_low",
 
 
 def print_table(results: list[dict]) -> None:
-    cols = (["variant", "beta"] + [p.split("/")[1] for p in PHASES] +
+    cols = (["variant", "beta"] + [p.split("/")[1] for p in PHASES[:2]] + ["(old", "ref)"] +
+            [p.split("/")[1] for p in PHASES[2:]] +
             ["step_s", "gen_tok/s", "peak_GB", "compl_len", "prompt_len"])
     rows = []
     for r in results:
         cells = [r["variant"], f"{r['beta']:g}"]
-        cells += [f"{r[p]:.2f}" if p in r else "-" for p in PHASES]
+        cells += [f"{r[p]:.2f}" if p in r else "-" for p in PHASES[:2]]
+        cells += [f"{r['logprobs_old_s']:.2f}", f"{r['logprobs_ref_s']:.2f}"]
+        cells += [f"{r[p]:.2f}" if p in r else "-" for p in PHASES[2:]]
         cells += [f"{r['time/step']:.2f}", f"{r['gen_tokens_per_s']:.1f}", f"{r['peak_memory_gb']:.2f}",
                   f"{r['completion_length']:.1f}", f"{r['prompt_tokens_mean']:.0f}"]
         rows.append(cells)
