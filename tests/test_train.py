@@ -252,3 +252,27 @@ def test_config_precedence_and_bool_parsing():
     assert cfg.model == lopti.PRESETS["cpu"]["model"] and cfg.num_generations == 2 and cfg.lopti is False
     with pytest.raises(SystemExit):
         parse(["--lopti", "maybe"])
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_train_and_eval(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    out = tmp_path / "run"
+    lopti.main(["train", "--model", str(tiny_model_dir), "--output-dir", str(out), "--steps", "1",
+                "--prompts-per-step", "2", "--num-generations", "2", "--mini-batch-size", "4", "--num-train", "8",
+                "--max-completion-length", "4", "--num-people", "3", "--eval-size", "2", "--lopti", "false"])
+    assert json.loads((out / "config.json").read_text())["lopti"] is False
+    assert (out / "checkpoint" / "trainer_state.pt").exists()
+    monkeypatch.setattr(lopti, "kk_reward", lambda text, sol: 3.0)
+    capsys.readouterr()
+    data = Path(__file__).parent / "data" / "kk" / "4ppl_20.jsonl"
+    lopti.main(["eval", "--model", str(out / "checkpoint"), "--eval-data", str(data), "--max-completion-length", "2"])
+    assert json.loads(capsys.readouterr().out) == {"eval/accuracy_4ppl": 1.0, "eval/reward_4ppl": 3.0,
+                                                  "eval/accuracy": 1.0}
+
+
+def test_cli_without_a_command_prints_usage():
+    with pytest.raises(SystemExit, match="usage"):
+        lopti.main([])
