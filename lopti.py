@@ -187,7 +187,7 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must be (B, T, V), (B, T)")
-    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V), a view
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V): a view if logits is contiguous, else a copy
     flat_tokens = tokens.reshape(-1)  # (B*T,)
     rows = max(1, chunk_elems // logits.shape[-1])
     grad = torch.is_grad_enabled() and logits.requires_grad
@@ -741,7 +741,10 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=num_completion + 1, use_cache=False).logits  # (B, C + 1, V)
-    return token_logprobs(logits[:, :-1], input_ids[:, -num_completion:], temperature)  # (B, C)
+    # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
+    # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
+    targets = torch.nn.functional.pad(input_ids[:, -num_completion:], (0, 1))  # (B, C + 1)
+    return token_logprobs(logits, targets, temperature)[:, :-1]  # (B, C)
 
 
 @torch.no_grad()
@@ -823,11 +826,16 @@ def update_policy(
     out = {"ar_weight": float((cfg.alpha * batch["old_logprobs"].float().exp() + 1 - cfg.alpha)[mask].mean())}
     for name, stage_mask in stages:
         t0 = time.perf_counter()
-        token_sums: dict[str, float] = {}  # token-weighted sums of policy_loss's stats
+        # token-weighted sums of policy_loss's stats, every key present even if the stage is empty
+        token_sums = dict.fromkeys(("clip_high", "clip_low", "clip_dual", "kl_ref", "kl_old"), 0.0)
         losses, grad_norms, total = [], [], 0.0
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
                 rows = slice(start, min(start + cfg.mini_batch_size, B))
+                if not stage_mask[rows].any():
+                    # Nothing of this stage here: no update. A step on a zero gradient would still move
+                    # the weights through AdamW's momentum and weight decay.
+                    continue
                 n = int(mask[rows].sum())  # token-mean over the whole mini-batch, in every stage
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
@@ -844,7 +852,7 @@ def update_policy(
                     t = stats.pop("tokens")
                     total += t
                     for k, v in stats.items():
-                        token_sums[k] = token_sums.get(k, 0.0) + v * t
+                        token_sums[k] += v * t
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
                 optimizer.step()
                 losses.append(loss_sum)
@@ -853,6 +861,7 @@ def update_policy(
         out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out[f"{name}/token_share"] = float(stage_mask.sum()) / max(float(mask.sum()), 1.0)
         out[f"time/update_{name}"] = time.perf_counter() - t0
+    optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return out
 
 

@@ -87,9 +87,12 @@ def test_micro_batching_does_not_change_the_update_and_mini_batches_are_optimize
     ref, _, n_ref = _run(cfg, weight, batch, optim=torch.optim.AdamW)
     got, _, n_got = _run(dataclasses.replace(cfg, micro_batch_size=1), weight, batch, optim=torch.optim.AdamW)
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-    assert n_ref == n_got == 2 * (B // 3)  # two passes x two mini-batches
+    # one step per (pass, mini-batch) that holds tokens of that pass
+    low, high = lopti_masks(batch["old_logprobs"], batch["mask"], cfg.eta)
+    expected = sum(bool(m[r : r + 3].any()) for m in (low, high) for r in range(0, B, 3))
+    assert 2 <= expected and n_ref == n_got == expected
     _, _, n_epochs = _run(dataclasses.replace(cfg, num_iterations=2), weight, batch)
-    assert n_epochs == 2 * 2 * (B // 3)
+    assert n_epochs == 2 * expected
 
 
 def test_gradient_clipping_is_applied_per_optimizer_step():
@@ -99,3 +102,15 @@ def test_gradient_clipping_is_applied_per_optimizer_step():
     step = (clipped - weight).norm().item()
     assert step == pytest.approx(0.5 * 1e-3, rel=1e-4) and stats["all/grad_norm"] > 1e-3
     assert (unclipped - weight).norm().item() > step
+
+
+def test_an_empty_lopti_stage_takes_no_optimizer_step():
+    # eta tiny: no token is "low", so Lopti must be exactly one GRPO pass. A step on the empty stage's zero
+    # gradient would still move AdamW's weights (weight decay) and shift its bias correction.
+    weight, batch = _problem(5)
+    grpo, _, n_grpo = _run(BASE, weight, batch, optim=torch.optim.AdamW, weight_decay=0.1)
+    lopti, stats, n_lopti = _run(dataclasses.replace(BASE, lopti=True, eta=1e-9), weight, batch,
+                                 optim=torch.optim.AdamW, weight_decay=0.1)
+    torch.testing.assert_close(lopti, grpo, atol=0, rtol=0)
+    assert n_grpo == n_lopti == 1
+    assert stats["low/token_share"] == 0.0 and stats["low/clip_high"] == 0.0 and stats["low/grad_norm"] == 0.0
