@@ -7,13 +7,14 @@ Reference implementation of "Do Not Let Low-Probability Tokens Over-Dominate in 
     python lopti.py train    # GRPO (+AR, +Lopti) on Knights-and-Knaves with a Hugging Face causal LM
     python lopti.py eval     # greedy K&K accuracy of a model
 
-Sections (grep -n '^# ===' lopti.py): core math -> K&K task -> config -> model I/O -> rollout ->
+Sections (grep -n '^# ===' lopti.py): config -> core math -> K&K task -> model I/O and rollout ->
 update (Algorithm 1) -> train loop -> evaluation -> toy experiment -> CLI.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import functools
 import inspect
 import json
@@ -1098,6 +1099,500 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
         out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
     out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
     return out
+
+
+# ====== Toy experiment: the paper's mechanism on a softmax policy (Sec. 4, Figures 1 and 3) ======
+#
+# A 64-token "language" whose rule is a fixed random next-token table per prompt. A small MLP reads
+# (prompt, previous token, position) and outputs logits; its weights are shared by every position and
+# prompt, so tokens' gradients interfere as in an LLM. A short supervised warm-up on a noisy teacher
+# makes the sampled-token probabilities U-shaped. Reward = share of tokens that follow the rule. RL uses
+# lopti.py's own group_advantages and update_policy (reweight_advantages, lopti_masks, policy_loss): the
+# toy supplies the policy, the task and the reward; the update is the LLM path's code, unchanged.
+
+TOY_BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
+TOY_PAPER = {  # PAPER.md Sec. 6: the paper's GRPO run on K&K (Figures 1 and 3)
+    "share": [0.192, 0.102, 0.101, 0.605],
+    "grad_norm": [0.71, 0.36, 0.24, 0.15], "grad_norm_all": 0.82,
+    "grad_norm_rel": [round(g / 0.82, 3) for g in (0.71, 0.36, 0.24, 0.15)],
+    "correct_dir": {"GRPO": [0.530, 0.514, 0.501, 0.497], "+AR": [0.520, 0.525, 0.530, 0.526],
+                    "+Lopti": [0.524, 0.517, 0.512, 0.534]},
+}
+
+
+@dataclass(frozen=True)
+class ToySettings:
+    """The toy's knobs; everything not here is lopti.py's Config default (clip ranges, AdamW, grad clip)."""
+
+    seed: int = 0
+    steps: int = 100
+    """RL steps per learning run (part 4: does it learn faster?)."""
+    seeds: int = 5
+    alpha: float = 0.3
+    eta: float = 0.5
+    vocab: int = 64
+    response_len: int = 12
+    prompts: int = 16
+    group: int = 8
+    hidden: int = 128
+    learning_rate: float = 1e-3
+    warmup_steps: int = 60
+    """Supervised steps on the noisy teacher; few enough that the policy stays uncertain in places."""
+    teacher_accuracy: float = 0.9
+    measure_after: int = 5
+    """GRPO steps before the Fig. 1/3 batches, so AdamW's moments are warm as in the paper's mid-run plots."""
+    measured_batches: int = 8
+    probe_lr: float = 0.3
+    """SGD step of the Fig. 1/3 probes; sized so its mean |delta pi| matches the AdamW step's (seed 0)."""
+    threshold_frac: float = 0.5
+    """Reward threshold = warm-start reward + threshold_frac * (1 - warm-start reward), for every method."""
+    final_window: int = 10
+
+
+TOY_METHODS = {  # Config overrides; "GRPO 2 epochs" matches Lopti's two update passes per step
+    "GRPO": dict(alpha=0.0, lopti=False), "+AR": dict(lopti=False), "+Lopti": dict(alpha=0.0),
+    "+AR+Lopti": dict(), "GRPO 2 epochs": dict(alpha=0.0, lopti=False, num_iterations=2),
+}
+
+
+class ToyLM(torch.nn.Module):
+    """logits(o_t | prompt, o_{t-1}, t) = W2 tanh(W1 [e_prompt; e_prev; e_t]); one network for all contexts."""
+
+    def __init__(self, s: ToySettings):
+        super().__init__()
+        d = 32
+        self.prompt_emb = torch.nn.Embedding(s.prompts, d)
+        self.token_emb = torch.nn.Embedding(s.vocab + 1, d)  # id `vocab` is BOS
+        self.pos_emb = torch.nn.Embedding(s.response_len, d)
+        self.hidden = torch.nn.Linear(3 * d, s.hidden)
+        self.out = torch.nn.Linear(s.hidden, s.vocab)
+
+    def features(self, prompts: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.prompt_emb(prompts), self.token_emb(prev), self.pos_emb(pos)], dim=-1)  # (..., 3d)
+        return torch.tanh(self.hidden(x))  # (..., H)
+
+    def forward(self, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits (B, T, V) for responses `tokens` (B, T) to `prompts` (B,)."""
+        B, T = tokens.shape
+        prev = torch.cat([torch.full((B, 1), self.out.out_features), tokens[:, :-1]], dim=1)  # (B, T)
+        pos = torch.arange(T).expand(B, T)  # (B, T)
+        return self.out(self.features(prompts[:, None].expand(B, T), prev, pos))  # (B, T, V)
+
+
+def toy_rewards(rule: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Graded outcome reward: the share of a response's tokens that follow rule[prompt, previous token]."""
+    B, T = tokens.shape
+    prev = torch.cat([torch.full((B, 1), rule.shape[1] - 1), tokens[:, :-1]], dim=1)  # (B, T)
+    return (tokens == rule[prompts[:, None], prev]).float().mean(dim=1)  # (B,)
+
+
+@torch.no_grad()
+def toy_sample(net: ToyLM, prompts: torch.Tensor, T: int, gen: torch.Generator, teacher=None) -> torch.Tensor:
+    """Autoregressive sampling at temperature 1; with teacher = (rule, accuracy), the noisy teacher instead."""
+    B = prompts.shape[0]
+    prev = torch.full((B,), net.out.out_features)  # (B,) BOS
+    out = []
+    for t in range(T):
+        if teacher is None:
+            probs = net.out(net.features(prompts, prev, torch.full((B,), t))).softmax(-1)  # (B, V)
+            prev = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (B,)
+        else:
+            rule, acc = teacher
+            noise = torch.randint(0, rule.shape[1] - 1, (B,), generator=gen)  # (B,)
+            prev = torch.where(torch.rand(B, generator=gen) < acc, rule[prompts, prev], noise)  # (B,)
+        out.append(prev)
+    return torch.stack(out, dim=1)  # (B, T)
+
+
+def toy_warm_start(s: ToySettings) -> tuple[ToyLM, torch.Tensor]:
+    """The rule table and a policy after a short supervised warm-up (the toy's 'pretrained LLM')."""
+    gen = torch.Generator().manual_seed(s.seed)
+    rule = torch.randint(0, s.vocab, (s.prompts, s.vocab + 1), generator=gen)  # (P, V+1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(s.seed)
+        net = ToyLM(s)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    prompts = torch.arange(s.prompts).repeat_interleave(s.group)  # (B,)
+    for _ in range(s.warmup_steps):
+        tokens = toy_sample(net, prompts, s.response_len, gen, teacher=(rule, s.teacher_accuracy))  # (B, T)
+        loss = torch.nn.functional.cross_entropy(net(prompts, tokens).flatten(0, 1), tokens.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return net, rule
+
+
+def toy_config(s: ToySettings, method: str) -> Config:
+    """lopti.py's Config for the toy: 2 AdamW steps per pass (as the paper's 512 responses / 256), no
+    reference model (beta = 0), temperature 1 (the toy samples from softmax(z) itself)."""
+    B = s.prompts * s.group
+    return Config(**{**dict(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, beta=0.0, temperature=1.0,
+                            num_generations=s.group, prompts_per_step=s.prompts, mini_batch_size=B // 2,
+                            micro_batch_size=B // 2, max_completion_length=s.response_len), **TOY_METHODS[method]})
+
+
+def toy_optimizer(net: ToyLM, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW as lopti.train builds it."""
+    return torch.optim.AdamW(net.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+
+
+def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Algorithm 1, lines 3-5: G samples per prompt, rewards, group advantages, pi_old by a no-grad forward."""
+    prompts = torch.arange(s.prompts).repeat_interleave(s.group)  # (B,)
+    tokens = toy_sample(net, prompts, s.response_len, gen)  # (B, T)
+    rewards = toy_rewards(rule, prompts, tokens)  # (B,)
+    with torch.no_grad():
+        old = token_logprobs(net(prompts, tokens), tokens)  # (B, T)
+    return {"prompts": prompts, "tokens": tokens, "rewards": rewards, "old_logprobs": old,
+            "mask": torch.ones_like(tokens, dtype=torch.bool), "advantages": group_advantages(rewards, s.group)}
+
+
+def toy_update(net: ToyLM, opt, cfg: Config, batch: dict) -> torch.Tensor:
+    """lopti.update_policy on the toy; returns the new log-probs of the batch's tokens (B, T)."""
+    fn = lambda b: token_logprobs(net(b["prompts"], b["tokens"]), b["tokens"])  # noqa: E731
+    update_policy(cfg, fn, opt, batch)
+    with torch.no_grad():
+        return fn(batch)  # (B, T)
+
+
+def toy_fork(net: ToyLM, opt, cfg: Config):
+    """A copy of the policy and of AdamW's state, so each what-if update starts from the same point."""
+    net2 = copy.deepcopy(net)
+    opt2 = toy_optimizer(net2, cfg)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return net2, opt2
+
+
+# --- 1. Prop. 4.2's softmax bound: sqrt(N/(N-1)) (1-pi_j) <= ||e_j - pi|| <= sqrt(2) (1-pi_j)
+
+
+def bound_check(logits: torch.Tensor, chosen: torch.Tensor | None = None, tiny: float = 1e-12) -> dict:
+    """The gradient of log softmax(z)[j] w.r.t. z, by autograd in float64, against (1 - pi_j), for rows of
+    `logits` (n, N): every j, or only the sampled `chosen` (n,). 1 - pi_j is summed as sum_{k != j} pi_k
+    (`1 - pi_j` loses the digits near 1); a token with 1 - pi_j < `tiny` is counted as unresolved."""
+    z = logits.detach().double().requires_grad_(True)  # (n, N)
+    n, N = z.shape
+    cols = torch.arange(N).expand(n, N) if chosen is None else chosen[:, None]  # (n, k)
+    onehot = torch.nn.functional.one_hot(cols, N).double()  # (n, k, N)
+    grads = torch.autograd.grad(z.log_softmax(-1), z, onehot.permute(1, 0, 2), is_grads_batched=True)[0]  # (k, n, N)
+    pi = z.detach().softmax(-1)  # (n, N)
+    one_minus = (pi[:, None, :] * (1 - onehot)).sum(-1)  # (n, k)
+    ok = one_minus >= tiny  # (n, k)
+    ratio = grads.permute(1, 0, 2).norm(dim=-1)[ok] / one_minus[ok]  # (m,)
+    lo, hi = math.sqrt(N / (N - 1)), math.sqrt(2)
+    excess = torch.cat([lo - ratio, ratio - hi, torch.zeros(1, dtype=torch.float64)])  # (2m+1,)
+    resolved = ratio.numel() > 0
+    return {"tokens": int(ok.numel()), "unresolved": int((~ok).sum()),
+            "ratio_min": float(ratio.min()) if resolved else None,
+            "ratio_max": float(ratio.max()) if resolved else None, "bound_lo": lo, "bound_hi": hi,
+            "violations": int((excess > 1e-9).sum()), "max_violation": float(excess.max())}
+
+
+def bound_section(net: ToyLM, batch: dict, s: ToySettings) -> dict:
+    """Prop. 4.2 on random softmaxes (vocab 32/64/256, logit scales 0.5-32, plus the two equality cases:
+    the rest uniform, or all on one rival) and on the toy's own sampled tokens."""
+    gen = torch.Generator().manual_seed(s.seed)
+    out = {}
+    for N in (32, 64, 256):
+        rows = [scale * torch.randn(4, N, generator=gen, dtype=torch.float64) for scale in (0.5, 2.0, 8.0, 32.0)]
+        uniform_rest = torch.zeros(1, N, dtype=torch.float64).index_fill(1, torch.tensor([0]), 3.0)  # (1, N)
+        one_rival = torch.full((1, N), -60.0, dtype=torch.float64).index_fill(1, torch.tensor([0, 1]), 0.0)
+        out[f"random N={N}"] = bound_check(torch.cat(rows + [uniform_rest, one_rival]))
+    with torch.no_grad():
+        logits = net(batch["prompts"], batch["tokens"]).flatten(0, 1)  # (B*T, V), temperature 1
+    out["toy tokens"] = bound_check(logits, batch["tokens"].flatten())
+    return out
+
+
+# --- 2 and 3. Figures 1 and 3 in miniature, on GRPO batches
+
+
+def prob_bins(old_logprobs: torch.Tensor) -> torch.Tensor:
+    """Bin index 0..3 of each token by pi_old: [0,.25], (.25,.5], (.5,.75], (.75,1] (Fig. 1)."""
+    return torch.bucketize(old_logprobs.exp(), torch.tensor([0.25, 0.5, 0.75]))  # (B, T) long
+
+
+def toy_grad_norm(net: ToyLM, cfg: Config, batch: dict, adv: torch.Tensor) -> float:
+    """||grad of policy_loss|| over all parameters at pi = pi_old, advantages `adv` (B, T), token-mean over
+    every token (a bin's gradient is its share of the full one, as in Fig. 1's middle panel)."""
+    logp = token_logprobs(net(batch["prompts"], batch["tokens"]), batch["tokens"])  # (B, T)
+    loss, _ = policy_loss(logp, batch["old_logprobs"], adv, batch["mask"], epsilon=cfg.epsilon,
+                          epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip)
+    grads = torch.autograd.grad(loss, list(net.parameters()))
+    return float(torch.sqrt(sum((g * g).sum() for g in grads)))
+
+
+def measure_batch(net: ToyLM, opt, batch: dict, s: ToySettings) -> dict:
+    """Fig. 1 (share, per-bin gradient norm, |delta pi| per bin after updating all / lowest / highest bin)
+    and Fig. 3 (share of A > 0 tokens whose probability rose, per bin and method) on one batch.
+
+    Every what-if update is lopti.update_policy on a copy of the policy. Two optimisers: a plain gradient
+    step (SGD, `probe_lr`), which shows what the batch's gradient itself does, and a copy of the run's
+    AdamW with its moments, whose step is mostly momentum from earlier batches."""
+    bins = prob_bins(batch["old_logprobs"])  # (B, T)
+    in_bin = [(bins == b) & batch["mask"] for b in range(4)]  # 4 x (B, T)
+    adv = batch["advantages"][:, None].expand_as(bins)  # (B, T)
+    mean_in = lambda x, m: float(x[m].mean()) if m.any() else float("nan")  # noqa: E731
+    grpo = toy_config(s, "GRPO")
+
+    def updated(method: str, optimiser: str, advantages: torch.Tensor) -> torch.Tensor:
+        cfg = toy_config(s, method)
+        if optimiser == "sgd":
+            net2 = copy.deepcopy(net)
+            opt2 = torch.optim.SGD(net2.parameters(), lr=s.probe_lr)
+        else:
+            net2, opt2 = toy_fork(net, opt, cfg)
+        return toy_update(net2, opt2, cfg, {**batch, "advantages": advantages})  # (B, T)
+
+    dpi = {}
+    for name, keep in (("all", batch["mask"]), ("lowest_only", in_bin[0]), ("highest_only", in_bin[3])):
+        change = (updated("GRPO", "sgd", adv * keep).exp() - batch["old_logprobs"].exp()).abs()  # (B, T)
+        dpi[name] = [mean_in(change, m) for m in in_bin]
+    rose = {o: {m: [mean_in((updated(m, o, batch["advantages"]) > batch["old_logprobs"]).float(), b & (adv > 0))
+                    for b in in_bin] for m in TOY_METHODS} for o in ("sgd", "adamw")}
+    total = float(batch["mask"].sum())
+    return {"share": [float(m.sum()) / total for m in in_bin], "count": [int(m.sum()) for m in in_bin],
+            "grad_norm": [toy_grad_norm(net, grpo, batch, adv * m) for m in in_bin],
+            "grad_norm_all": toy_grad_norm(net, grpo, batch, adv), "dpi": dpi, "correct_dir": rose}
+
+
+def toy_mean_std(rows: list) -> dict:
+    """Mean and std over batches/seeds, elementwise for lists; NaN (an empty bin) is left out."""
+    t = torch.tensor(rows, dtype=torch.float64)  # (n, ...)
+    ok = ~t.isnan()
+    mean = torch.where(ok, t, 0).sum(0) / ok.sum(0)
+    std = (torch.where(ok, t - mean, 0) ** 2).sum(0).div((ok.sum(0) - 1).clamp_min(1)).sqrt()
+    r = lambda v: None if math.isnan(v) else round(v, 6)  # noqa: E731 (JSON has no NaN)
+    return {"mean": [r(v) for v in mean.tolist()] if mean.dim() else r(mean.item()),
+            "std": [r(v) for v in std.tolist()] if std.dim() else r(std.item())}
+
+
+def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
+    """A GRPO run from the warm start; after `measure_after` steps (so AdamW has moments), each of the next
+    `measured_batches` batches is measured on copies of the policy, then GRPO updates the policy with it."""
+    net, cfg = copy.deepcopy(net), toy_config(s, "GRPO")
+    opt, gen = toy_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
+    measured = []
+    for step in range(s.measure_after + s.measured_batches):
+        batch = toy_rollout(net, rule, s, gen)
+        if step >= s.measure_after:
+            measured.append(measure_batch(net, opt, batch, s))
+        toy_update(net, opt, cfg, batch)
+    fig1 = {k: toy_mean_std([m[k] for m in measured]) for k in ("share", "grad_norm", "grad_norm_all")}
+    fig1["grad_norm_rel"] = toy_mean_std([[g / m["grad_norm_all"] for g in m["grad_norm"]] for m in measured])
+    fig1["count_per_batch"] = [m["count"] for m in measured]
+    fig1["dpi"] = {k: toy_mean_std([m["dpi"][k] for m in measured]) for k in measured[0]["dpi"]}
+    fig1["paper"] = {k: TOY_PAPER[k] for k in ("share", "grad_norm", "grad_norm_all", "grad_norm_rel")}
+    fig3 = {f"toy_{o}": {k: toy_mean_std([m["correct_dir"][o][k] for m in measured]) for k in TOY_METHODS}
+            for o in ("sgd", "adamw")}
+    for o in ("sgd", "adamw"):  # paired per batch: the methods share each batch, so compare them on it
+        fig3[f"top_bin_minus_grpo_{o}"] = {k: toy_mean_std([m["correct_dir"][o][k][3] - m["correct_dir"][o]["GRPO"][3]
+                                                         for m in measured]) for k in TOY_METHODS if k != "GRPO"}
+    fig3["paper"] = TOY_PAPER["correct_dir"]
+    return {"fig1": fig1, "fig3": fig3}
+
+
+# --- 4. Does it learn faster? Short RL runs of every method from the same warm start
+
+
+def learning_runs(net0: ToyLM, rule: torch.Tensor, s: ToySettings, warm_reward: float) -> dict:
+    """Reward of each step's rollout batch, per method and seed. Seed i gives every method the same first
+    batch. Final reward = mean over the last `final_window` steps; the threshold is shared by all methods."""
+    threshold = warm_reward + s.threshold_frac * (1 - warm_reward)
+    out = {"threshold": round(threshold, 6), "methods": {}}
+    for method in TOY_METHODS:
+        cfg, curves = toy_config(s, method), []
+        for i in range(s.seeds):
+            net = copy.deepcopy(net0)
+            opt, gen = toy_optimizer(net, cfg), torch.Generator().manual_seed(1000 * (s.seed + 1) + i)
+            curve = []
+            for _ in range(s.steps):
+                batch = toy_rollout(net, rule, s, gen)
+                curve.append(float(batch["rewards"].mean()))
+                toy_update(net, opt, cfg, batch)
+            curves.append(curve)
+        final = [sum(c[-s.final_window:]) / len(c[-s.final_window:]) for c in curves]
+        hit = [next((t + 1 for t, r in enumerate(c) if r >= threshold), None) for c in curves]
+        out["methods"][method] = {"curve": toy_mean_std(curves), "final": [round(f, 6) for f in final],
+                                  "final_stats": toy_mean_std(final), "steps_to_threshold": hit}
+    return out
+
+
+def run_toy(s: ToySettings) -> dict:
+    """All four parts of the toy (bound, Fig. 1, Fig. 3, learning speed) for settings `s`; pure: the result
+    depends only on `s` (with torch's thread count fixed by the caller)."""
+    net, rule = toy_warm_start(s)
+    batch = toy_rollout(net, rule, s, torch.Generator().manual_seed(s.seed))
+    warm_reward = float(batch["rewards"].mean())
+    pi = batch["old_logprobs"].exp().flatten()  # (B*T,)
+    results = {"settings": {**asdict(s), "bins": list(TOY_BIN_NAMES)},
+               "bound": bound_section(net, batch, s),
+               "warm_start": {"reward": round(warm_reward, 6),
+                              "pi_histogram_10": torch.histc(pi, bins=10, min=0, max=1).int().tolist()}}
+    results.update(figures_1_and_3(net, rule, s))
+    results["learning"] = learning_runs(net, rule, s, warm_reward)
+    return results
+
+
+def toy_paired(diff: dict, n: int) -> dict:
+    """A paired difference's mean +- std over n batches or seeds; 'clear' when |mean| > 2 standard errors."""
+    return {"evidence": f"{diff['mean']:+.4f} +- {diff['std']:.4f} (n={n})",
+            "clear": abs(diff["mean"]) > 2 * diff["std"] / math.sqrt(n)}
+
+
+def toy_checks(r: dict) -> list[dict]:
+    """The paper's qualitative claims, each marked reproduced or not by the toy's own numbers; comparisons
+    between methods also carry their paired spread."""
+    f1, learn, n_batches = r["fig1"], r["learning"]["methods"], len(r["fig1"]["count_per_batch"])
+    nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 (an empty bin compares False)
+    share, gn = f1["share"]["mean"], f1["grad_norm"]["mean"]
+    dpi = {k: nan(v["mean"]) for k, v in f1["dpi"].items()}
+    checks = [{"claim": c, "reproduced": bool(ok)} for c, ok in (
+        ("1. the softmax bound holds on every resolved token", all(b["violations"] == 0 for b in r["bound"].values())),
+        ("2. token shares are U-shaped (top bin largest, lowest above both middle bins)",
+         share[3] == max(share) and share[0] > max(share[1:3])),
+        ("2. the lowest bin's gradient norm is the largest of the four", gn[0] == max(gn)),
+        ("2. gradient norm falls from the lowest bin to the highest", gn == sorted(gn, reverse=True)),
+        ("2. updating only the lowest bin moves every bin more than updating only the highest",
+         all(lo > hi for lo, hi in zip(dpi["lowest_only"], dpi["highest_only"]))),
+        ("2. the highest bin moves less when it alone is updated than when only the lowest is",
+         dpi["highest_only"][3] < dpi["lowest_only"][3]),
+    )]
+    for o in ("sgd", "adamw"):
+        grpo = nan(r["fig3"][f"toy_{o}"]["GRPO"]["mean"])
+        checks.append({"claim": f"3. ({o}) GRPO's correct-direction ratio is lower in the highest bin than the lowest",
+                       "reproduced": grpo[3] < grpo[0]})
+        for m in ("+AR", "+Lopti", "+AR+Lopti"):
+            diff = {k: nan([v])[0] for k, v in r["fig3"][f"top_bin_minus_grpo_{o}"][m].items()}
+            checks.append({"claim": f"3. ({o}) {m} raises the highest bin's correct-direction ratio above GRPO's",
+                           "reproduced": diff["mean"] > 0, **toy_paired(diff, n_batches)})
+    for m, ref in (("+AR", "GRPO"), ("+Lopti", "GRPO"), ("+AR+Lopti", "GRPO"), ("+Lopti", "GRPO 2 epochs")):
+        diff = toy_mean_std([[a - b] for a, b in zip(learn[m]["final"], learn[ref]["final"])])
+        diff = {k: v[0] for k, v in diff.items()}
+        checks.append({"claim": f"4. {m} ends with a higher reward than {ref}", "reproduced": diff["mean"] > 0,
+                       **toy_paired(diff, len(learn[m]["final"]))})
+    return checks
+
+
+def print_toy_table(r: dict) -> None:
+    """The toy's numbers beside the paper's (PAPER.md Sec. 6), as plain-text tables."""
+    fmt = lambda xs: "  ".join("     n/a" if x is None else f"{x:8.3f}" for x in xs)  # noqa: E731
+    bins = "  ".join(f"{b:>8}" for b in TOY_BIN_NAMES)
+    print("1. Prop. 4.2 bound: ||grad_z log pi_j|| / (1 - pi_j) in [sqrt(N/(N-1)), sqrt(2)]")
+    for name, b in r["bound"].items():
+        print(f"   {name:14s} tokens {b['tokens']:5d} (unresolved {b['unresolved']})  ratio {b['ratio_min']:.4f}"
+              f"..{b['ratio_max']:.4f}  bounds {b['bound_lo']:.4f}..{b['bound_hi']:.4f}  violations {b['violations']}")
+    f1 = r["fig1"]
+    print(f"2. Figure 1, {len(f1['count_per_batch'])} GRPO batches (mean; std in results.json)\n   {'':26s}{bins}")
+    rows = [("token share", f1["share"]["mean"]), ("  paper", TOY_PAPER["share"]),
+            ("grad norm / all tokens'", f1["grad_norm_rel"]["mean"]), ("  paper", TOY_PAPER["grad_norm_rel"])]
+    rows += [(f"|dpi| update {k}", v["mean"]) for k, v in f1["dpi"].items()]
+    for name, xs in rows:
+        print(f"   {name:26s}{fmt(xs)}")
+    print(f"   grad norm, all tokens: {f1['grad_norm_all']['mean']:.4f} (paper 0.82, its own units)")
+    print(f"3. Figure 3: share of A > 0 tokens whose probability rose\n   {'':26s}{bins}")
+    for m, xs in TOY_PAPER["correct_dir"].items():
+        print(f"   {'paper ' + m:31s}{fmt(xs)}")
+    for o, step in (("sgd", "gradient step"), ("adamw", "the run's AdamW")):
+        for m, v in r["fig3"][f"toy_{o}"].items():
+            print(f"   {m + ', ' + step:31s}{fmt(v['mean'])}")
+    L = r["learning"]
+    print(f"4. Learning, {r['settings']['seeds']} seeds x {r['settings']['steps']} steps; warm-start reward "
+          f"{r['warm_start']['reward']:.3f}, threshold {L['threshold']:.3f}")
+    for m, v in L["methods"].items():
+        f = v["final_stats"]
+        print(f"   {m:14s} final {f['mean']:.4f} +- {f['std']:.4f}   steps to threshold {v['steps_to_threshold']}")
+    print("Checks:")
+    for c in r["checks"]:
+        spread = f"   {c['evidence']}{'' if c['clear'] else ', within noise'}" if "evidence" in c else ""
+        print(f"   [{'yes' if c['reproduced'] else 'NO '}] {c['claim']}{spread}")
+
+
+def plot_toy(r: dict, path: Path) -> None:
+    """toy.png: the bound, Fig. 1's gradient norms, Fig. 3's ratios and the reward curves."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no toy.png (results.json is complete without it)")
+        return
+    fig, ax = plt.subplots(1, 4, figsize=(18, 4))
+    b = r["bound"]["toy tokens"]
+    ax[0].bar(["min", "max"], [b["ratio_min"], b["ratio_max"]], color="C0", label="toy tokens")
+    ax[0].axhline(b["bound_lo"], ls="--", c="k", label="sqrt(N/(N-1))")
+    ax[0].axhline(b["bound_hi"], ls=":", c="k", label="sqrt(2)")
+    ax[0].set(title="Prop. 4.2: ||grad|| / (1 - pi)", ylim=(0.9, 1.5))
+    ax[0].legend()
+    x = torch.arange(4).float()
+    f1 = r["fig1"]
+    ax[1].bar(x - 0.2, f1["grad_norm_rel"]["mean"], 0.4, yerr=f1["grad_norm_rel"]["std"], label="toy")
+    ax[1].bar(x + 0.2, TOY_PAPER["grad_norm_rel"], 0.4, label="paper")
+    ax[1].set(title="Fig. 1: grad norm of one bin / all", xticks=x, xticklabels=TOY_BIN_NAMES)
+    ax[1].legend()
+    for i, (m, v) in enumerate(r["fig3"]["toy_sgd"].items()):
+        ax[2].plot(TOY_BIN_NAMES, v["mean"], marker="o", label=m, c=f"C{i}")
+    for i, (m, xs) in enumerate(TOY_PAPER["correct_dir"].items()):
+        ax[2].plot(TOY_BIN_NAMES, xs, ls=":", label=f"paper {m}", c=f"C{i}")
+    ax[2].set(title="Fig. 3: share of A>0 tokens that rose (gradient step)")
+    ax[2].legend(fontsize=7)
+    for i, (m, v) in enumerate(r["learning"]["methods"].items()):
+        ax[3].plot(range(1, len(v["curve"]["mean"]) + 1), v["curve"]["mean"], label=m, c=f"C{i}")
+    ax[3].axhline(r["learning"]["threshold"], ls="--", c="gray")
+    ax[3].set(title="reward per step (mean over seeds)", xlabel="RL step")
+    ax[3].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _count(lo: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _unit(lo_open: bool):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not ((0 < value if lo_open else 0 <= value) and value <= 1):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}0, 1], got {value}")
+        return value
+    return parse
+
+
+def toy_main(argv: list[str]) -> dict:
+    """`python lopti.py toy`: run the toy, print the tables, write results.json (and toy.png) under --out."""
+    p = argparse.ArgumentParser(prog="lopti.py toy", description="The paper's mechanism on a toy softmax policy.")
+    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--steps", type=_count(1), default=None, help="RL steps per run (default 100; --quick 8)")
+    p.add_argument("--seeds", type=_count(1), default=None, help="seeds per method (default 5; --quick 2)")
+    p.add_argument("--alpha", type=_unit(False), default=0.3, help="AR strength, Eq. 4")
+    p.add_argument("--eta", type=_unit(True), default=0.5, help="Lopti threshold, Algorithm 1")
+    p.add_argument("--out", type=Path, default=Path("toy"), help="folder for results.json and toy.png")
+    p.add_argument("--quick", action="store_true", help="a few seconds: fewer steps, seeds and batches")
+    a = p.parse_args(argv)
+    quick = dict(steps=8, seeds=2, measured_batches=2, measure_after=1) if a.quick else {}
+    s = ToySettings(**{**dict(seed=a.seed, alpha=a.alpha, eta=a.eta), **quick,
+                       **{k: getattr(a, k) for k in ("steps", "seeds") if getattr(a, k) is not None}})
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # faster for these tiny matrices, and the same float sums on every run
+    try:
+        results = run_toy(s)
+    finally:
+        torch.set_num_threads(threads)
+    results["settings"]["quick"] = a.quick
+    results["checks"] = toy_checks(results)
+    print_toy_table(results)
+    a.out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(a.out / "results.json", json.dumps(results, indent=1) + "\n")
+    plot_toy(results, a.out / "toy.png")
+    print(f"wrote {a.out / 'results.json'}; wall time {time.perf_counter() - t0:.1f} s")
+    return results
 
 
 # ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======

@@ -4,7 +4,6 @@ Expectations come from the official rows in data/kk (see its README) or are writ
 """
 import ast
 import json
-import os
 import re
 import time
 from pathlib import Path

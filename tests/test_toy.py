@@ -1,0 +1,89 @@
+"""Tests of the toy experiment (`python lopti.py toy`): it runs, it is deterministic, and it measures
+what it says (the bound, a partition of tokens into bins, the update of each method)."""
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from lopti import (TOY_METHODS, ToySettings, bound_check, prob_bins, toy_config, toy_main, toy_optimizer,
+                         toy_rollout, toy_update, toy_warm_start)
+
+SECTIONS = ("settings", "bound", "warm_start", "fig1", "fig3", "learning", "checks")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy")
+    results = toy_main(["--quick", "--out", str(out)])
+    return results, out
+
+
+def test_quick_run_writes_every_section(quick_run):
+    results, out = quick_run
+    saved = json.loads((out / "results.json").read_text())
+    assert all(k in saved for k in SECTIONS)
+    assert saved == json.loads(json.dumps(results))
+    assert not (out / "results.json.tmp").exists()
+    assert set(saved["fig3"]["toy_sgd"]) == set(TOY_METHODS) and "paper" in saved["fig3"]
+    assert len(saved["learning"]["methods"]["GRPO"]["curve"]["mean"]) == saved["settings"]["steps"]
+
+
+def test_bound_has_no_violation(quick_run):
+    for name, b in quick_run[0]["bound"].items():
+        assert b["violations"] == 0, name
+        assert b["bound_lo"] - 1e-9 <= b["ratio_min"] <= b["ratio_max"] <= b["bound_hi"] + 1e-9
+
+
+def test_bound_tight_cases():
+    N = 16
+    uniform_rest = torch.zeros(1, N).index_fill(1, torch.tensor([0]), 2.0)  # rest uniform: lower bound exact
+    one_rival = torch.full((1, N), -80.0).index_fill(1, torch.tensor([0, 1]), 0.0)  # one rival: upper exact
+    lo = bound_check(uniform_rest, torch.tensor([0]))
+    hi = bound_check(one_rival, torch.tensor([0]))
+    assert lo["ratio_min"] == pytest.approx(math.sqrt(N / (N - 1)), rel=1e-12)
+    assert hi["ratio_max"] == pytest.approx(math.sqrt(2), rel=1e-12)
+    assert bound_check(torch.tensor([[60.0, 0.0, 0.0]]), torch.tensor([0]))["unresolved"] == 1
+
+
+def test_bins_partition_the_tokens(quick_run):
+    fig1 = quick_run[0]["fig1"]
+    s = quick_run[0]["settings"]
+    for counts in fig1["count_per_batch"]:
+        assert sum(counts) == s["prompts"] * s["group"] * s["response_len"]
+    assert sum(fig1["share"]["mean"]) == pytest.approx(1.0, abs=1e-6)
+    logp = torch.tensor([[1.0, 0.25, 0.2500001, 0.5, 0.75, 0.9, 1e-9]]).clamp_min(1e-12).log()
+    assert prob_bins(logp).tolist() == [[3, 0, 1, 1, 2, 3, 0]]
+
+
+def _updated_params(net, s, method, batch):
+    net2 = copy.deepcopy(net)
+    cfg = toy_config(s, method)
+    toy_update(net2, toy_optimizer(net2, cfg), cfg, batch)
+    return torch.cat([p.detach().flatten() for p in net2.parameters()])
+
+
+def test_methods_differ_and_alpha_zero_is_grpo():
+    s = ToySettings(warmup_steps=10)
+    net, rule = toy_warm_start(s)
+    batch = toy_rollout(net, rule, s, torch.Generator().manual_seed(0))
+    after = {m: _updated_params(net, s, m, batch) for m in TOY_METHODS}
+    names = list(after)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not torch.equal(after[a], after[b]), (a, b)
+    assert torch.equal(_updated_params(net, dataclasses.replace(s, alpha=0.0), "+AR", batch), after["GRPO"])
+
+
+def test_same_seed_same_json(quick_run, tmp_path):
+    toy_main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "results.json").read_bytes() == (quick_run[1] / "results.json").read_bytes()
+
+
+@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
+                                 ["--alpha", "-0.1"], ["--alpha", "1.5"], ["--seed", "-3"], ["--steps", "x"]])
+def test_bad_options_raise(bad, tmp_path):
+    with pytest.raises(SystemExit):
+        toy_main(bad + ["--quick", "--out", str(tmp_path)])
