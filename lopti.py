@@ -89,6 +89,8 @@ class Config:
     """Longest generated completion, in tokens."""
     mask_truncated: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss."""
+    generation_batch_size: int = 0
+    """Sequences per generate() call in a rollout (0 = all at once); smaller bounds the KV cache's memory."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the update's forward passes."""
     # --- data and schedule
@@ -122,9 +124,12 @@ class Config:
             ("epsilon", self.epsilon >= 0, ">= 0"), ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
             ("dual_clip", self.dual_clip > 1, "> 1"), ("beta", self.beta >= 0, ">= 0"),
             ("learning_rate", self.learning_rate > 0, "> 0"), ("temperature", self.temperature > 0, "> 0"),
+            ("max_grad_norm", self.max_grad_norm > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
         ] + [(f, getattr(self, f) >= 1, ">= 1") for f in (
             "mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
-            "max_completion_length", "num_train", "eval_size", "eval_batch_size")]
+            "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")
+        ] + [(f, getattr(self, f) >= 0, ">= 0 (0 = off)") for f in (
+            "generation_batch_size", "eval_every", "save_every")]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -661,18 +666,21 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+def has_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def autocast(device: torch.device):
-    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The parameters (and AdamW's state) stay fp32:
-    at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters (and AdamW's state) stay
+    fp32: at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
 
 
-def load_model(name: str, device: torch.device):
-    """A causal LM in fp32 with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
+def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A causal LM with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=torch.float32, attn_implementation="sdpa")
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
     for module in model.modules():  # dropout would make the first ratio != 1 (STYLE.md pitfalls)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -762,15 +770,29 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos_ids = eos_token_ids(model, tokenizer)
-    # Unset fields are filled from the model's own generation config (Qwen's has top_p 0.8, top_k 20,
-    # repetition_penalty 1.05), so every knob that reshapes the distribution is set to "off" here.
+    # Every knob that reshapes the distribution is set to "off" (Qwen's own generation config has top_p 0.8,
+    # top_k 20, repetition_penalty 1.05). transformers 4.50-4.57 also replace any field passed at its library
+    # default (do_sample=False, top_p=1.0, ...) by the model's own value, so the model's config is swapped
+    # for this one during generate.
     sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
                                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
-    with autocast(device):
-        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                             generation_config=gen_cfg)  # (B, P + C); no token_type_ids (4.x tokenizers add them)
-    completions = out[:, enc["input_ids"].shape[1]:]  # (B, C)
+    model_gen_cfg, model.generation_config = model.generation_config, gen_cfg
+    chunk = cfg.generation_batch_size or len(prompts)
+    parts = []
+    try:
+        for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
+            with autocast(device):
+                out = model.generate(input_ids=enc["input_ids"][i : i + chunk],
+                                     attention_mask=enc["attention_mask"][i : i + chunk],
+                                     generation_config=gen_cfg)  # (b, P + C_i); no token_type_ids (4.x adds them)
+            parts.append(out[:, enc["input_ids"].shape[1]:])  # (b, C_i)
+    finally:
+        model.generation_config = model_gen_cfg
+    C = max(p.shape[1] for p in parts)
+    completions = torch.cat([torch.nn.functional.pad(p, (0, C - p.shape[1]), value=tokenizer.pad_token_id)
+                             for p in parts])  # (B, C); a chunk that stopped early is padded after its EOS
+    out = torch.cat([enc["input_ids"], completions], dim=1)  # (B, P + C)
     mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
     texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
@@ -939,6 +961,8 @@ def load_task_data(cfg: Config):
         evals = kk_load(cfg.eval_data)
     seen = set(train["quiz"])
     evals = evals.filter(lambda row: row["quiz"] not in seen)
+    if len(train) == 0:
+        raise ValueError(f"the training set {cfg.train_data!r} has no rows")
     if len(evals) == 0:
         raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
     return train, evals
@@ -1014,7 +1038,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
     train_rows, eval_rows = load_task_data(cfg)
     model = load_model(str(ckpt) if resume else cfg.model, device)
     tokenizer = load_tokenizer(str(ckpt) if resume else cfg.model)
-    ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
+    ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
+    ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
@@ -1608,7 +1633,8 @@ PRESETS: dict[str, dict] = {
                   num_generations=8, max_completion_length=1024, mini_batch_size=32, micro_batch_size=4,
                   gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
     # one large GPU: the paper's Qwen2.5-3B-Instruct run (the Config defaults)
-    "gpu": dict(micro_batch_size=8, gradient_checkpointing=True, output_dir="runs/gpu"),
+    # (generation in chunks of 64: the KV cache of 512 x 4.4k tokens of a 3B model would need ~84 GB)
+    "gpu": dict(micro_batch_size=8, generation_batch_size=64, gradient_checkpointing=True, output_dir="runs/gpu"),
 }
 
 

@@ -1,5 +1,6 @@
 """The LLM path on a tiny random model made in conftest.py (no download): rollout, log-probs, the training
 loop, checkpoints, resume, Ctrl-C, evaluation and bad input."""
+import dataclasses
 import json
 import os
 import re
@@ -94,6 +95,45 @@ def test_sampling_ignores_the_models_generation_config(tiny_model_dir):
     torch.manual_seed(0)
     batch = lopti.rollout(model, tok, ["Zoey is a"] * 8, cfg, CPU)
     assert len({tuple(r.tolist()) for r in batch["input_ids"]}) > 1  # top_k = 1 would give 8 equal rows
+
+
+def test_sampling_ignores_a_saved_generation_config_at_library_defaults(tiny_model_dir, tmp_path):
+    """transformers 4.50-4.57 replace fields passed at their library default (do_sample=False, top_p=1.0,
+    repetition_penalty=1.0) by the model's saved values; greedy must stay greedy and sampling plain."""
+    model = lopti.load_model(str(tiny_model_dir), CPU)
+    model.generation_config.update(do_sample=True, top_p=0.01, repetition_penalty=5.0, temperature=0.3)
+    model.save_pretrained(tmp_path)  # a checkpoint written by transformers itself, as lopti's are
+    lopti.load_tokenizer(str(tiny_model_dir)).save_pretrained(tmp_path)
+    model, tok = lopti.load_model(str(tmp_path), CPU), lopti.load_tokenizer(str(tmp_path))
+    cfg = Config(model=str(tmp_path), max_completion_length=6, temperature=1.0)
+    prompts = ["Zoey is a", "knave"]
+    greedy = lopti.rollout(model, tok, prompts, cfg, CPU, greedy=True)
+    C = greedy["mask"].shape[1]
+    ids, attn = greedy["input_ids"][:, :-C], greedy["attention_mask"][:, :-C]  # the left-padded prompts
+    with torch.no_grad():  # argmax decoding by hand, without a KV cache
+        for _ in range(C):
+            pos = (attn.cumsum(-1) - 1).clamp_min(0)
+            nxt = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1].argmax(-1)  # (B,)
+            ids, attn = torch.cat([ids, nxt[:, None]], 1), torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+    m = greedy["mask"]  # compare up to and including each row's first EOS
+    assert torch.equal(torch.where(m, ids[:, -C:], -1), torch.where(m, greedy["input_ids"][:, -C:], -1))
+    torch.manual_seed(0)
+    sampled = lopti.rollout(model, tok, ["Zoey is a"] * 8, cfg, CPU)
+    assert len({tuple(r.tolist()) for r in sampled["input_ids"]}) > 1  # top_p 0.01 would give 8 equal rows
+    assert model.generation_config.top_p == 0.01  # the model's own config is restored
+
+
+def test_rollout_in_generation_chunks_equals_one_batch(tiny_model_dir):
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    prompts = ["Zoey is a", "knave", "If Jack is a knight then", "Ella"]
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=10)
+    whole = lopti.rollout(model, tok, prompts, cfg, CPU, greedy=True)
+    chunked = lopti.rollout(model, tok, prompts, dataclasses.replace(cfg, generation_batch_size=3), CPU, greedy=True)
+    C = whole["mask"].shape[1]
+    assert chunked["mask"].shape[1] == C and torch.equal(chunked["mask"], whole["mask"])
+    assert torch.equal(torch.where(chunked["mask"], chunked["input_ids"][:, -C:], 0),
+                       torch.where(whole["mask"], whole["input_ids"][:, -C:], 0))
+    assert chunked["texts"] == whole["texts"]
 
 
 # ---------------------------------------------------------------- the training loop
@@ -239,7 +279,10 @@ def test_missing_model_messages(tmp_path):
 
 @pytest.mark.parametrize("argv,match", [
     (["--alpha", "1.5"], "alpha"), (["--eta", "0"], "eta"), (["--lopti_order", "sideways"], "lopti_order"),
-    (["--micro_batch_size", "0"], "micro_batch_size"), (["--dual_clip", "1"], "dual_clip")])
+    (["--micro_batch_size", "0"], "micro_batch_size"), (["--dual_clip", "1"], "dual_clip"),
+    (["--max_grad_norm", "-1"], "max_grad_norm"), (["--weight_decay", "-0.1"], "weight_decay"),
+    (["--steps", "0"], "steps"), (["--save_every", "-1"], "save_every"),
+    (["--generation_batch_size", "-2"], "generation_batch_size")])
 def test_bad_config_values(argv, match):
     with pytest.raises(ValueError, match=match):
         lopti.resolve_config(vars(lopti.config_parser("t").parse_args(argv)))
