@@ -48,11 +48,13 @@ class Config:
 
     # --- method
     alpha: float = 0.3
-    """Advantage Reweighting strength, Eq. 4; 0 turns AR off (paper: 0.3 on K&K, 0.1 on math)."""
+    """Advantage Reweighting strength, Eq. 4; 0 turns AR off (paper: 0.3 on K&K, 0.2 in its AR-only run,
+    0.1 on math; official name: reweight_k)."""
     lopti: bool = True
     """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
     eta: float = 0.5
-    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official name: seperate_prob)."""
+    """Lopti's threshold: tokens with pi_old < eta go in the low pass (paper: 0.5, 0.4 in its Lopti-only run;
+    official name: seperate_prob)."""
     lopti_order: str = "low_first"
     """'low_first' is the paper's method; 'high_first' is its ablation (worse than GRPO in the paper)."""
     # --- PPO / GRPO update
@@ -61,7 +63,7 @@ class Config:
     epsilon_high: float = 0.24
     """Upper clip range of the ratio (the official K&K scripts clip asymmetrically)."""
     dual_clip: float = 10.0
-    """Dual-clip constant c for negative advantages (official code; not in the paper's text)."""
+    """Dual-clip constant c for negative advantages (official code, verl's clip_ratio_c; not in the paper's text)."""
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
@@ -269,7 +271,8 @@ def policy_loss(
     mini-batch's token count when this call sees one micro-batch, so that accumulation gives the same
     gradient as one big batch, and the full count in a Lopti stage (Sec. 4 of PAPER.md: a stage is not
     renormalised over its own tokens, so the two stages' gradients add up to GRPO's).
-    The dual clip and the per-stage `kl_mask` are the official code's; the paper's text has neither.
+    The dual clip, the per-stage `kl_mask`, the token-mean (the paper's GRPO objective averages each response
+    with 1/|o_i| first) and the shared denominator are the official code's; the paper's text has none of them.
     """
     if epsilon < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon}, {epsilon_high}")
@@ -289,7 +292,7 @@ def policy_loss(
                          f"{tuple(logprobs.shape)}")
     logprobs, old_logprobs = logprobs.float(), old_logprobs.float()  # the ratio is sensitive: fp32
     mask = mask.bool()
-    kl_mask = mask if kl_mask is None else kl_mask.bool()
+    kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # never on padding
     if num_tokens is None:
         num_tokens = mask.sum()
     if float(num_tokens) < 0:
@@ -851,7 +854,7 @@ def update_policy(
         t0 = time.perf_counter()
         # token-weighted sums of policy_loss's stats, every key present even if the stage is empty
         token_sums = dict.fromkeys(("clip_high", "clip_low", "clip_dual", "kl_ref", "kl_old"), 0.0)
-        losses, grad_norms, total = [], [], 0.0
+        losses, grad_norms, total, kl_total, skipped = [], [], 0.0, 0.0, 0
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
                 rows = slice(start, min(start + cfg.mini_batch_size, B))
@@ -859,7 +862,9 @@ def update_policy(
                     # Nothing of this stage here: no update. A step on a zero gradient would still move
                     # the weights through AdamW's momentum and weight decay.
                     continue
-                n = int(mask[rows].sum())  # token-mean over the whole mini-batch, in every stage
+                # Token-mean over the whole mini-batch, in every stage (official code: a Lopti stage is not
+                # renormalised over its own tokens, so the two stages' gradients add up to GRPO's).
+                n = int(mask[rows].sum())
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for m in range(rows.start, rows.stop, cfg.micro_batch_size):
@@ -872,14 +877,20 @@ def update_policy(
                         num_tokens=n)
                     loss.backward()
                     loss_sum += loss.item()
-                    t = stats.pop("tokens")
-                    total += t
+                    t, t_kl = stats.pop("tokens"), float(stage_mask[micro].sum())
+                    total, kl_total = total + t, kl_total + t_kl
                     for k, v in stats.items():
-                        token_sums[k] += v * t
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+                        token_sums[k] += v * (t_kl if k == "kl_ref" else t)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                if not math.isfinite(grad_norm):  # a NaN/inf step would corrupt the weights for good
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                grad_norms.append(grad_norm)
                 optimizer.step()
                 losses.append(loss_sum)
-        out.update({f"{name}/{k}": v / max(total, 1.0) for k, v in token_sums.items()})
+        out.update({f"{name}/{k}": v / max(kl_total if k == "kl_ref" else total, 1.0) for k, v in token_sums.items()})
+        out[f"{name}/skipped_steps"] = skipped
         out[f"{name}/loss"] = sum(losses) / max(len(losses), 1)
         out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out[f"{name}/token_share"] = float(stage_mask.sum()) / max(float(mask.sum()), 1.0)
@@ -900,6 +911,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     t1 = time.perf_counter()
     solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
     rewards = torch.tensor([kk_reward(THINK_PREFIX + text, sol) for text, sol in zip(batch["texts"], solutions)])
+    lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
     if cfg.mask_truncated:
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
     batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
@@ -916,7 +928,6 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
     stats = update_policy(cfg, logprob_fn, optimizer, tensors)
-    lengths = batch["mask"].sum(1).float()
     grouped = rewards.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,

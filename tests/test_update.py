@@ -114,3 +114,13 @@ def test_an_empty_lopti_stage_takes_no_optimizer_step():
     torch.testing.assert_close(lopti, grpo, atol=0, rtol=0)
     assert n_grpo == n_lopti == 1
     assert stats["low/token_share"] == 0.0 and stats["low/clip_high"] == 0.0 and stats["low/grad_norm"] == 0.0
+
+
+def test_a_non_finite_gradient_skips_the_step_instead_of_corrupting_the_weights():
+    weight, batch = _problem(6)
+    w = torch.nn.Parameter(weight.clone())
+    opt = torch.optim.AdamW([w], lr=0.5)
+    nan_fn = lambda mb: token_logprobs(mb["x"] @ w, mb["tokens"]) * float("nan")  # noqa: E731
+    stats = update_policy(BASE, nan_fn, opt, batch)
+    assert torch.equal(w.detach(), weight) and stats["all/skipped_steps"] == 1 and not opt.state
+    assert w.grad is None
