@@ -859,8 +859,9 @@ def update_policy(
             for start in range(0, B, cfg.mini_batch_size):
                 rows = slice(start, min(start + cfg.mini_batch_size, B))
                 if not stage_mask[rows].any():
-                    # Nothing of this stage here: no update. A step on a zero gradient would still move
-                    # the weights through AdamW's momentum and weight decay.
+                    # Nothing of this stage here: no update (our choice; as far as we know the official code
+                    # steps anyway). A step on a zero gradient would still move the weights through AdamW's
+                    # momentum and weight decay.
                     continue
                 # Token-mean over the whole mini-batch, in every stage (official code: a Lopti stage is not
                 # renormalised over its own tokens, so the two stages' gradients add up to GRPO's).
