@@ -948,7 +948,8 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def parse_num_people(spec: str) -> int | tuple[int, int]:
@@ -1689,7 +1690,12 @@ def resolve_config(args: dict) -> Config:
         saved = Path(values.get("output_dir", Config.output_dir)) / "config.json"
         if not saved.exists():
             raise FileNotFoundError(f"--resume: {saved} not found; is --output_dir the run's folder?")
-        values = {**json.loads(saved.read_text()), **explicit}
+        values = json.loads(saved.read_text())
+        unknown = sorted(set(values) - {f.name for f in fields(Config)})
+        if unknown:
+            raise ValueError(f"--resume: {saved} has fields this lopti.py does not know: {unknown} (written by "
+                             "another version?); remove them from the file or use the matching lopti.py")
+        values = {**values, **explicit}
     return Config(**values)
 
 
@@ -1705,6 +1711,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = vars(config_parser(f"lopti.py {command}").parse_args(rest))
     cfg = resolve_config(args)
+    if args.get("preset") in ("colab", "gpu") and pick_device().type != "cuda":
+        warnings.warn(f"--preset {args['preset']} is sized for a CUDA GPU and none was found: this will be very "
+                      "slow; use --preset cpu on this machine")
     if command == "train":
         print(f"done: {train(cfg, resume=args.get('resume', False))}")
         return

@@ -297,6 +297,12 @@ def test_config_precedence_and_bool_parsing():
         parse(["--lopti", "maybe"])
 
 
+def test_resume_with_a_config_from_another_version_names_the_unknown_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**dataclasses.asdict(Config()), "warp_factor": 9}))
+    with pytest.raises(ValueError, match="warp_factor"):
+        lopti.resolve_config(vars(lopti.config_parser("t").parse_args(["--resume", "--output_dir", str(tmp_path)])))
+
+
 # ---------------------------------------------------------------- the command line
 
 
