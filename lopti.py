@@ -1032,6 +1032,12 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.flush()
 
 
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW as the paper trains (PAPER.md Sec. 1): betas 0.9/0.999, constant learning rate."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
+                             weight_decay=cfg.weight_decay)
+
+
 def train(cfg: Config, resume: bool = False) -> Path:
     """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
     out = Path(cfg.output_dir)
@@ -1055,8 +1061,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     start = 0
     if resume:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
@@ -1269,9 +1274,9 @@ def toy_config(s: ToySettings, method: str) -> Config:
                             micro_batch_size=B // 2, max_completion_length=s.response_len), **TOY_METHODS[method]})
 
 
-def toy_optimizer(net: ToyLM, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as lopti.train builds it."""
-    return torch.optim.AdamW(net.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+def toy_logprobs(net: ToyLM, batch: dict) -> torch.Tensor:
+    """log pi(o_t) of the batch's responses under `net` (temperature 1): (B, T)."""
+    return token_logprobs(net(batch["prompts"], batch["tokens"]), batch["tokens"])
 
 
 def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -1280,23 +1285,22 @@ def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Gener
     tokens = toy_sample(net, prompts, s.response_len, gen)  # (B, T)
     rewards = toy_rewards(rule, prompts, tokens)  # (B,)
     with torch.no_grad():
-        old = token_logprobs(net(prompts, tokens), tokens)  # (B, T)
+        old = toy_logprobs(net, {"prompts": prompts, "tokens": tokens})  # (B, T)
     return {"prompts": prompts, "tokens": tokens, "rewards": rewards, "old_logprobs": old,
             "mask": torch.ones_like(tokens, dtype=torch.bool), "advantages": group_advantages(rewards, s.group)}
 
 
 def toy_update(net: ToyLM, opt, cfg: Config, batch: dict) -> torch.Tensor:
     """lopti.update_policy on the toy; returns the new log-probs of the batch's tokens (B, T)."""
-    fn = lambda b: token_logprobs(net(b["prompts"], b["tokens"]), b["tokens"])  # noqa: E731
-    update_policy(cfg, fn, opt, batch)
+    update_policy(cfg, lambda micro: toy_logprobs(net, micro), opt, batch)
     with torch.no_grad():
-        return fn(batch)  # (B, T)
+        return toy_logprobs(net, batch)  # (B, T)
 
 
 def toy_fork(net: ToyLM, opt, cfg: Config):
     """A copy of the policy and of AdamW's state, so each what-if update starts from the same point."""
     net2 = copy.deepcopy(net)
-    opt2 = toy_optimizer(net2, cfg)
+    opt2 = make_optimizer(net2, cfg)
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     return net2, opt2
 
@@ -1353,9 +1357,8 @@ def prob_bins(old_logprobs: torch.Tensor) -> torch.Tensor:
 def toy_grad_norm(net: ToyLM, cfg: Config, batch: dict, adv: torch.Tensor) -> float:
     """||grad of policy_loss|| over all parameters at pi = pi_old, advantages `adv` (B, T), token-mean over
     every token (a bin's gradient is its share of the full one, as in Fig. 1's middle panel)."""
-    logp = token_logprobs(net(batch["prompts"], batch["tokens"]), batch["tokens"])  # (B, T)
-    loss, _ = policy_loss(logp, batch["old_logprobs"], adv, batch["mask"], epsilon=cfg.epsilon,
-                          epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip)
+    loss, _ = policy_loss(toy_logprobs(net, batch), batch["old_logprobs"], adv, batch["mask"],
+                          epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip)
     grads = torch.autograd.grad(loss, list(net.parameters()))
     return float(torch.sqrt(sum((g * g).sum() for g in grads)))
 
@@ -1409,7 +1412,7 @@ def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
     """A GRPO run from the warm start; after `measure_after` steps (so AdamW has moments), each of the next
     `measured_batches` batches is measured on copies of the policy, then GRPO updates the policy with it."""
     net, cfg = copy.deepcopy(net), toy_config(s, "GRPO")
-    opt, gen = toy_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
+    opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
     measured = []
     for step in range(s.measure_after + s.measured_batches):
         batch = toy_rollout(net, rule, s, gen)
@@ -1442,7 +1445,7 @@ def learning_runs(net0: ToyLM, rule: torch.Tensor, s: ToySettings, warm_reward: 
         cfg, curves = toy_config(s, method), []
         for i in range(s.seeds):
             net = copy.deepcopy(net0)
-            opt, gen = toy_optimizer(net, cfg), torch.Generator().manual_seed(1000 * (s.seed + 1) + i)
+            opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(1000 * (s.seed + 1) + i)
             curve = []
             for _ in range(s.steps):
                 batch = toy_rollout(net, rule, s, gen)

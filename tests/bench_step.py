@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # conftest (make_tiny_model, CHATML, _corpus); it also puts lopti.py on the path
-import conftest  # noqa: E402
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # lopti.py; conftest (make_tiny_model, CHATML, _corpus)
 
 VARIANTS = {  # name -> Config overrides
     "grpo": dict(alpha=0.0, lopti=False),
@@ -52,6 +51,8 @@ DEFAULTS = {  # per model: prompts, generations, completion length, measured ste
 
 def build_model(kind: str, path: Path) -> Path:
     """Write a random model + tokenizer folder with save_pretrained; returns `path`."""
+    import conftest  # here, not at the top: bench_trl.py imports this module where pytest is not installed
+
     if kind == "tiny":
         return conftest.make_tiny_model(path)
     import torch
@@ -120,8 +121,7 @@ def bench_child(args) -> dict:
     model = lopti.load_model(cfg.model, device)  # exactly as lopti.train sets them up
     tokenizer = lopti.load_tokenizer(cfg.model)
     ref_model = lopti.load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = lopti.make_optimizer(model, cfg)
     load_s = time.perf_counter() - t0
     rss_after_load = lopti.peak_memory_gb(device)
     prompt_tokens = [len(tokenizer(lopti.kk_prompt(tokenizer, q), add_special_tokens=False)["input_ids"])

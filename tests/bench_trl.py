@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -53,27 +52,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # lopti.py (the venv has torch, transformers, datasets, tqdm)
-
-
-def cpu_pressure_s() -> float:
-    """Machine-wide seconds some task waited for a CPU since boot (Linux PSI); 0 where unavailable."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return int(f.readline().split("total=")[1]) / 1e6
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def cpu_time_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def peak_rss_gb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # lopti.py (the venv has torch, transformers, datasets, tqdm)
+from bench_step import cpu_pressure_s, cpu_time_s  # noqa: E402  (the same step accounting as lopti's bench)
 
 
 def bench_child(args) -> dict:
@@ -113,7 +93,7 @@ def bench_child(args) -> dict:
     trainer = trl.GRPOTrainer(model=str(args.model_dir), reward_funcs=kk_reward, args=cfg, train_dataset=dataset,
                               processing_class=tokenizer)
     load_s = time.perf_counter() - t0
-    rss_after_load = peak_rss_gb()
+    rss_after_load = lopti.peak_memory_gb(torch.device("cpu"))
     assert trainer.args.generation_batch_size == P * G and not trainer.use_vllm, trainer.args.generation_batch_size
 
     # Per-phase timers on the trainer's own methods (instance attributes shadow the class's)
@@ -182,7 +162,7 @@ def bench_child(args) -> dict:
     mean = {k: sum(s.get(k, 0.0) for s in used) / len(used) for k in keys}
     mean.update(step_times=[s["time/step"] for s in steps], cpu_wait_per_step=[s["cpu_wait_s"] for s in steps],
                 completion_lengths=[s["completion_lengths"] for s in steps], clean_steps=len(clean),
-                peak_memory_gb=peak_rss_gb(), rss_after_load_gb=rss_after_load, load_s=load_s, beta=args.beta,
+                peak_memory_gb=lopti.peak_memory_gb(torch.device("cpu")), rss_after_load_gb=rss_after_load, load_s=load_s, beta=args.beta,
                 threads=torch.get_num_threads(), prompts=P, generations=G, max_completion_length=C,
                 micro_batch_size=args.micro_batch_size, loss_type=cfg.loss_type, optim=str(cfg.optim),
                 prompt_tokens_mean=sum(len(v) for v in lopti_ids.values()) / len(lopti_ids),

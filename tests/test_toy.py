@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lopti import (TOY_METHODS, ToySettings, bound_check, prob_bins, toy_config, toy_main, toy_optimizer,
-                         toy_rollout, toy_update, toy_warm_start)
+from lopti import (TOY_METHODS, ToySettings, bound_check, make_optimizer, prob_bins, toy_config, toy_main,
+                   toy_rollout, toy_update, toy_warm_start)
 
 SECTIONS = ("settings", "bound", "warm_start", "fig1", "fig3", "learning", "checks")
 
@@ -61,7 +61,7 @@ def test_bins_partition_the_tokens(quick_run):
 def _updated_params(net, s, method, batch):
     net2 = copy.deepcopy(net)
     cfg = toy_config(s, method)
-    toy_update(net2, toy_optimizer(net2, cfg), cfg, batch)
+    toy_update(net2, make_optimizer(net2, cfg), cfg, batch)
     return torch.cat([p.detach().flatten() for p in net2.parameters()])
 
 
