@@ -93,11 +93,17 @@ class Config:
     """Leave completions that hit max_completion_length without EOS out of the loss."""
     generation_batch_size: int = 0
     """Sequences per generate() call in a rollout (0 = all at once); smaller bounds the KV cache's memory."""
+    stop_at_answer: bool = False
+    """End each completion at its first '</answer>' (rollout and evaluation), as many K&K reproductions do; the
+    paper's runs generate until EOS."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the update's forward passes."""
     # --- data and schedule
     train_data: str = "generate"
     """'generate' (fresh puzzles), a .jsonl/.parquet file, or a hub dataset (see kk_load)."""
+    format_reward: float = 0.0
+    """Weight of kk_format_credit, partial credit for tags and named roles, added to the training reward
+    (0 = the paper's reward; the cpu preset turns it on so a small model gets a signal). Metrics stay Logic-RL's."""
     num_people: str = "3-7"
     """Puzzle sizes to generate: 'lo-hi' or one number."""
     num_train: int = 4480
@@ -120,13 +126,21 @@ class Config:
     """Seeds data order, sampling and generated puzzles."""
 
     def __post_init__(self):
+        for f in fields(self):
+            value, kind = getattr(self, f.name), {"float": (int, float), "int": int, "bool": bool, "str": str}[f.type]
+            if not isinstance(value, kind) or (isinstance(value, bool) and f.type != "bool") or (
+                    f.type == "float" and not math.isfinite(value)):
+                raise ValueError(f"{f.name} must be a{' finite' if f.type == 'float' else ''} {f.type}, got {value!r}")
+        lo, hi = _people_range(self.num_people)
         checks = [
+            ("num_people", 2 <= lo <= hi <= 8, "'lo-hi' or one number within 2..8, e.g. '3-7'"),
             ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"), ("eta", 0 < self.eta <= 1, "in (0, 1]"),
             ("lopti_order", self.lopti_order in ("low_first", "high_first"), "'low_first' or 'high_first'"),
             ("epsilon", self.epsilon >= 0, ">= 0"), ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
             ("dual_clip", self.dual_clip > 1, "> 1"), ("beta", self.beta >= 0, ">= 0"),
             ("learning_rate", self.learning_rate > 0, "> 0"), ("temperature", self.temperature > 0, "> 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("format_reward", self.format_reward >= 0, ">= 0"),
         ] + [(f, getattr(self, f) >= 1, ">= 1") for f in (
             "mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
             "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")
@@ -191,8 +205,8 @@ def token_logprobs(
     bf16 (B, T, 150k) tensor is never copied to fp32 whole; under autograd each chunk is recomputed in the
     backward pass (activation checkpointing) instead of being stored.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must be (B, T, V), (B, T)")
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V): a view if logits is contiguous, else a copy
@@ -274,12 +288,11 @@ def policy_loss(
     The dual clip, the per-stage `kl_mask`, the token-mean (the paper's GRPO objective averages each response
     with 1/|o_i| first) and the shared denominator are the official code's; the paper's text has none of them.
     """
-    if epsilon < 0 or epsilon_high < 0:
-        raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon}, {epsilon_high}")
-    if dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
+    for name, value, lo in (("epsilon", epsilon, 0), ("epsilon_high", epsilon_high, 0), ("beta", beta, 0)):
+        if not lo <= value < math.inf:
+            raise ValueError(f"{name} must be finite and >= {lo}, got {value}")
+    if not 1 < dual_clip < math.inf:
+        raise ValueError(f"dual_clip must be finite and > 1, got {dual_clip}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs,
@@ -295,13 +308,15 @@ def policy_loss(
     kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # never on padding
     if num_tokens is None:
         num_tokens = mask.sum()
-    if float(num_tokens) < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {float(num_tokens)}")
+    if not 0 <= float(num_tokens) < math.inf:
+        raise ValueError(f"num_tokens must be finite and >= 0, got {float(num_tokens)}")
     denom = max(float(num_tokens), 1.0)
     adv = advantages.float().expand_as(logprobs)  # (B, T)
 
-    # Padding may hold -inf or garbage log-probs: zero the log-ratio there before exp (no NaN gradients).
-    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T)
+    # Padding may hold -inf or garbage log-probs: zero the log-ratio there before exp (no NaN gradients). The
+    # clamp to [-20, 20] is upstream verl's (the official fork has none): past ~88.7 exp() overflows and the
+    # gradient turns NaN while the clipped loss stays finite.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs)).clamp(-20, 20)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - epsilon, 1 + epsilon_high))  # (B, T)
     pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)  # (B, T), dual clip
@@ -415,16 +430,34 @@ def kk_solve(statements):
     ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
     come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
     """
-    if isinstance(statements, str):
-        statements = ast.literal_eval(statements)  # a literal only, never eval: rows may come from anywhere
-    if not isinstance(statements, (tuple, list)) or not statements:
-        raise ValueError(f"statements must be a non-empty tuple of statements, got {statements!r}")
+    statements = _kk_parse_statements(statements)
     n = len(statements)
     masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
     ok = full
     for i, stmt in enumerate(statements):
         ok &= full ^ (masks[i] ^ _kk_truth(stmt, masks, full))  # speaker truthful iff knight
     return [[not (a >> (n - 1 - i)) & 1 for i in range(n)] for a in range(2 ** n) if (ok >> a) & 1]
+
+
+KK_MAX_PEOPLE = 12  # solving tries all 2^n assignments; the benchmark's puzzles have 2 to 8 people
+_KK_MAX_DEPTH = 8  # bracket nesting of a statements string (the benchmark's is 3)
+
+
+def _kk_parse_statements(statements):
+    """The statements tuple from its string (ast.literal_eval: a literal only, never eval, since rows may come
+    from anywhere), after a linear-time check of its nesting and size."""
+    if isinstance(statements, str):
+        depth = 0
+        for ch in statements:  # literal_eval of text nested hundreds deep exhausts memory before it fails
+            depth += (ch in "([") - (ch in ")]")
+            if depth > _KK_MAX_DEPTH:
+                raise ValueError(f"statements are nested deeper than {_KK_MAX_DEPTH} brackets")
+        statements = ast.literal_eval(statements)
+    if not isinstance(statements, (tuple, list)) or not statements:
+        raise ValueError(f"statements must be a non-empty tuple of statements, got {str(statements)[:80]!r}")
+    if len(statements) > KK_MAX_PEOPLE:
+        raise ValueError(f"{len(statements)} statements: at most {KK_MAX_PEOPLE} people per puzzle are supported")
+    return statements
 
 
 def _kk_sample_statement(rng, n, speaker):
@@ -520,6 +553,8 @@ def _kk_normalise(row):
     truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL keeps the answer here
     text_format = row.get("solution_text_format") or truth.get("solution_text_format")
     statements = row.get("statements") or truth.get("statements")
+    if not isinstance(row.get("quiz"), str) or not row["quiz"].strip():
+        raise ValueError("quiz is missing or empty")
     if not isinstance(statements, str):  # a JSON list of lists; the official form is the tuple's repr
         statements = repr(_kk_as_tuple(statements))
     roles = kk_parse_solution(text_format)
@@ -527,6 +562,8 @@ def _kk_normalise(row):
     for key, value in (("names", names), ("solution", solution)):
         if row.get(key) is not None and list(row[key]) != value:
             raise ValueError(f"{key} {list(row[key])} disagrees with solution_text_format ({value})")
+    if len(_kk_parse_statements(statements)) != len(names):
+        raise ValueError(f"{len(_kk_parse_statements(statements))} statements for {len(names)} people")
     if kk_solve(statements) != [solution]:
         raise ValueError(f"statements {statements} do not have the unique solution {solution}")
     text = row.get("solution_text") or _kk_solution_texts(names, solution)[0]
@@ -553,13 +590,15 @@ def kk_load(source):
             and not source.split(":")[0].lower().endswith(_KK_FILE_SUFFIXES):
         name, _, sel = source.partition(":")
         config, _, split = sel.rpartition("/")
+        offline = ("the Hugging Face hub is not reachable (no network, or HF_HUB_OFFLINE=1); pass a local "
+                   ".parquet/.jsonl file or make puzzles with kk_generate(n)")
+        if not hub_reachable(name, "dataset"):
+            raise ConnectionError(f"kk_load: could not load {source!r}: {offline}")
         try:
             ds = datasets.load_dataset(name, config or None, split=split or "train")
-        except OSError as e:  # ConnectionError (offline, no network) and missing-repo errors are OSErrors
-            raise ConnectionError(
-                f"could not load {source!r} from the Hugging Face hub: the hub needs internet (and "
-                f"HF_HUB_OFFLINE must be unset). Offline, pass a local .parquet/.jsonl file or make puzzles "
-                f"with kk_generate(n). Cause: {type(e).__name__}: {e}") from e
+        except OSError as e:  # a missing repo, config or split
+            raise ConnectionError(f"kk_load: could not load {source!r} from the Hugging Face hub "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
     else:
         path = Path(source).expanduser()
         builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix.lower())
@@ -568,7 +607,20 @@ def kk_load(source):
                              f"accepted: .parquet, .jsonl, .json, or a hub dataset name")
         if not path.is_file():
             raise FileNotFoundError(f"kk_load: no such file: {source!r}")
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        with open(path, "rb") as f:
+            if not f.read(1 << 16).strip():
+                raise ValueError(f"kk_load: {source!r} is empty")
+        try:
+            import pyarrow.parquet  # (a dependency of datasets) 0-row parquet: datasets' error names nothing
+
+            empty = builder == "parquet" and pyarrow.parquet.read_metadata(path).num_rows == 0
+            ds = [] if empty else datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # StopIteration, DatasetGenerationError, ArrowInvalid, ... name nothing useful
+            cause = e.__cause__ or e
+            raise ValueError(f"kk_load: {source!r} is not a readable {path.suffix} file of puzzles "
+                             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from e
+    if len(ds) == 0:
+        raise ValueError(f"kk_load: {source!r} has no rows")
     truth = ds.features.get("reward_model", {})  # Logic-RL: {ground_truth: {...}, style}
     have = set(ds.column_names) | set(truth.get("ground_truth", ()) if isinstance(truth, dict) else ())
     missing = [c for c in ("quiz", "solution_text_format", "statements") if c not in have]
@@ -612,16 +664,25 @@ def kk_parse_solution(solution_text_format):
         raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
     roles = {}
     for line in solution_text_format.split("\n"):
-        m = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line.strip(), re.IGNORECASE)
-        if m:
-            roles[m.group(1)] = m.group(2).lower()
+        # = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.I), Logic-RL's pattern, in linear time
+        # (that regex is quadratic in the line's length): the first whole word of letters, then a role after it
+        name = next((m for m in re.finditer(r"[A-Za-z]+", line) if not _word_char(line, m.start() - 1)
+                     and not _word_char(line, m.end())), None)
+        role = name and re.search(r"\b(knight|knave)\b", line[name.end():], re.IGNORECASE)
+        if role:
+            roles[name.group()] = role.group(1).lower()
     if not roles:
         raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
                          f"{solution_text_format!r}")
     return roles
 
 
+def _word_char(text: str, i: int) -> bool:
+    return 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # what \b takes for a word character
+
+
 _KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+KK_ANSWER_END = "</answer>"
 
 
 def kk_reward(completion, solution_text_format):
@@ -645,16 +706,47 @@ def kk_reward(completion, solution_text_format):
     if any(text.count(tag) != 1 for tag in _KK_TAGS) or positions != sorted(positions):
         return KK_FORMAT_ERROR
     answer = text[positions[2] + len("<answer>"):positions[3]]  # the only <answer> block
-    lowered = answer.lower()  # an empty answer (Logic-RL checks it first) fails this count as well
-    if lowered.count("knight") + lowered.count("knave") != len(truth):
+    if _kk_role_words(answer) != len(truth):  # an empty answer (Logic-RL checks it first) fails this as well
         return -1.0
-    predicted = {}
-    for name in truth:
-        m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
-        if m is None:
-            return -1.0
-        predicted[name] = m.group(1).lower()
+    predicted = {name: _kk_named_role(name, answer) for name in truth}
+    if None in predicted.values():
+        return -1.0
     return KK_MAX_REWARD if predicted == truth else -0.5
+
+
+def _kk_role_words(answer: str) -> int:
+    lowered = answer.lower()
+    return lowered.count("knight") + lowered.count("knave")
+
+
+def _kk_named_role(name: str, answer: str) -> str | None:
+    """The role `answer` gives `name` (Logic-RL's pattern, first match), or None."""
+    m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+    return None if m is None else m.group(1).lower()
+
+
+def kk_format_credit(completion, solution_text_format) -> float:
+    """Partial credit in [0, 1] toward an answer Logic-RL's scorer can read: an optional shaping term for the
+    *training* reward (Config.format_reward); kk_reward is unchanged and still judges the run.
+
+    Half for the tags: 1/8 for each of </think>, <answer>, </answer> occurring exactly once, 1/8 for all four
+    tags once and in order. Half for the answer: the share of people named "NAME is a knight|knave" after the
+    first <answer> (up to </answer>), and nothing if it holds more role words than people. Empty tags earn 0.5
+    at most: a tag-only term teaches a small model `<answer> </answer>`, this one leads to naming everyone.
+    Not in the paper or the official code (their 3B model formats its answers without help).
+    """
+    names = list(kk_parse_solution(solution_text_format))
+    if not isinstance(completion, str):
+        return 0.0
+    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
+    once = [text.count(tag) == 1 for tag in _KK_TAGS]
+    positions = [text.find(tag) for tag in _KK_TAGS]
+    credit = sum(once[1:]) / 8 + (all(once) and positions == sorted(positions)) / 8
+    start = text.find("<answer>")
+    answer = "" if start < 0 else text[start + len("<answer>"):].split("</answer>", 1)[0]
+    if _kk_role_words(answer) <= len(names):
+        credit += 0.5 * sum(_kk_named_role(name, answer) is not None for name in names) / len(names)
+    return credit
 
 
 # ====== Model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old) ======
@@ -703,19 +795,47 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def _from_pretrained(cls, name: str, **kwargs):
+def _check_model_name(name: str) -> Path | None:
+    """The local folder `name` names, None for a hub id; an error, before anything is loaded, for a path
+    that is not a model folder."""
     path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        if not path.is_dir():
-            raise FileNotFoundError(f"no model folder at {name!r}: pass a folder written by save_pretrained "
-                                    "or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+        return None
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model folder at {name!r} (a folder written by save_pretrained, with a "
+                                "config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    return path
+
+
+def _from_pretrained(cls, name: str, **kwargs):
+    path = _check_model_name(name)
+    if path is not None:
         return cls.from_pretrained(str(path), **kwargs)
-    try:
-        return cls.from_pretrained(name, **kwargs)
+    online = hub_reachable(name, "model")
+    try:  # offline, only a cached copy can load: at once, instead of half a minute of retries
+        return cls.from_pretrained(name, local_files_only=not online, **kwargs)
     except OSError as e:
-        raise OSError(f"could not load {name!r}: there is no local folder of that name, and the Hugging Face "
-                      "hub did not serve it. Check the id; the hub needs internet (offline, pass a local folder "
-                      "written by save_pretrained).") from e
+        why = "the hub did not serve it (check the id)" if online else "the Hugging Face hub is not reachable " \
+              "and it is not in the local cache"
+        raise OSError(f"could not load {name!r}: there is no local folder of that name and {why}; offline, pass a "
+                      "local folder written by save_pretrained") from e
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(repo_id: str, repo_type: str) -> bool:
+    """False when the Hugging Face hub cannot be reached at all (no network, or HF_HUB_OFFLINE=1)."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        huggingface_hub.HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
+    except HfHubHTTPError:  # the hub answered (a missing, gated or private repo)
+        return True
+    except Exception:  # no network, DNS, timeout: the transport's errors differ between hub versions
+        return False
+    return True
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -747,16 +867,65 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
 
     Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
-    exactly as it would alone (models with absolute positions are wrong without them). Only the logits
-    that predict the completion are computed (logits_to_keep), which keeps the (B, T, V) tensor small.
+    exactly as it would alone (models with absolute positions are wrong without them). Only the logits that
+    predict the completion are computed. Rows that share a prompt (a GRPO group) run it once: its KV cache is
+    computed for each distinct prompt and indexed for every row, which skips G - 1 of every G prompt forwards
+    (and their backward); the log-probs agree with one forward per row to float rounding (tested).
     """
+    C = num_completion
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=num_completion + 1, use_cache=False).logits  # (B, C + 1, V)
-    # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
-    # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
-    targets = torch.nn.functional.pad(input_ids[:, -num_completion:], (0, 1))  # (B, C + 1)
-    return token_logprobs(logits, targets, temperature)[:, :-1]  # (B, C)
+    targets = input_ids[:, -C:]  # (B, C)
+    if _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):  # (checkpointing drops HF's cache)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V)
+        # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
+        # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
+        return token_logprobs(logits, torch.nn.functional.pad(targets, (0, 1)), temperature)[:, :-1]  # (B, C)
+    cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, V) predicts o_1
+    logits = model(input_ids=targets, attention_mask=attention_mask, position_ids=position_ids[:, -C:],
+                   **{_cache_kwarg(model): cache}).logits  # (B, C, V): position t predicts o_{t+1}
+    head = token_logprobs(first, targets[:, :1], temperature)  # (B, 1)
+    tail = token_logprobs(logits, torch.nn.functional.pad(targets[:, 1:], (0, 1)), temperature)[:, :-1]  # (B, C-1)
+    return torch.cat([head, tail], 1)  # (B, C)
+
+
+def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The KV cache of left-padded prefixes (B, L), computed once per distinct row (the G rows of a group share
+    their prompt) and indexed back to all B rows, differentiably; and the logits of their last position (B, 1, V)."""
+    L = input_ids.shape[1]
+    rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
+    out = model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True, logits_to_keep=1,
+                position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
+    cache = out.cache if "cache" in out else out.past_key_values  # transformers 5 renamed it
+    cache.batch_select_indices(inverse)
+    return cache, out.logits[inverse]
+
+
+def _distinct_rows(x: torch.Tensor) -> int:
+    return len(torch.unique(x, dim=0))
+
+
+def _checkpointing(model) -> bool:
+    name = "is_activation_checkpointing"  # transformers 5; 4.x calls it is_gradient_checkpointing
+    return bool(getattr(model, name if hasattr(type(model), name) else "is_gradient_checkpointing", False))
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """End each row's completion `mask` (B, C) at the token that completes the text `stop`, as generate's
+    stop_strings does; the tokens after it are padding. Returns (mask (B, C), stopped (B,) bool)."""
+    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool)
+    for i, row in enumerate(completions.tolist()):
+        pieces = tokenizer.batch_decode([[t] for t in row[: int(mask[i].sum())]])
+        at = "".join(pieces).find(stop)
+        if at >= 0:
+            ends = torch.tensor([len(p) for p in pieces]).cumsum(0)  # text length after each token
+            mask[i, int((ends < at + len(stop)).sum()) + 1:] = False
+            stopped[i] = True
+    return mask, stopped
 
 
 @torch.no_grad()
@@ -779,16 +948,20 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
     # for this one during generate.
     sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
-                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
+                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling,
+                               stop_strings=[KK_ANSWER_END] if cfg.stop_at_answer else None)
     model_gen_cfg, model.generation_config = model.generation_config, gen_cfg
     chunk = cfg.generation_batch_size or len(prompts)
     parts = []
     try:
         for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
+            ids, att = enc["input_ids"][i : i + chunk], enc["attention_mask"][i : i + chunk]  # (b, P)
             with autocast(device):
-                out = model.generate(input_ids=enc["input_ids"][i : i + chunk],
-                                     attention_mask=enc["attention_mask"][i : i + chunk],
-                                     generation_config=gen_cfg)  # (b, P + C_i); no token_type_ids (4.x adds them)
+                shared = {}
+                if _distinct_rows(ids) < len(ids):  # a group's prompt is run once, not G times
+                    shared[_cache_kwarg(model)] = prefix_cache(model, ids[:, :-1], att[:, :-1])[0]
+                out = model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
+                                     tokenizer=tokenizer, **shared)  # (b, P + C_i); no token_type_ids (4.x adds them)
             parts.append(out[:, enc["input_ids"].shape[1]:])  # (b, C_i)
     finally:
         model.generation_config = model_gen_cfg
@@ -797,6 +970,9 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
                              for p in parts])  # (B, C); a chunk that stopped early is padded after its EOS
     out = torch.cat([enc["input_ids"], completions], dim=1)  # (B, P + C)
     mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
+    if cfg.stop_at_answer:
+        mask, stopped = cut_at(tokenizer, completions, mask, KK_ANSWER_END)
+        truncated &= ~stopped
     texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
@@ -805,17 +981,18 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device) -> torch.Tensor:
-    """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference."""
+def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """No-grad log-probs of the completions (of the `rows`, a (B,) bool, if given), micro-batched: pi_old
+    right after rollout, or the reference. Returns (number of rows, C) float32."""
     model.eval()
-    C = batch["mask"].shape[1]
+    B, C = batch["mask"].shape
     out = []
-    for i in range(0, batch["mask"].shape[0], cfg.micro_batch_size):
-        rows = slice(i, i + cfg.micro_batch_size)
+    for micro in torch.arange(B)[rows if rows is not None else slice(None)].split(cfg.micro_batch_size):
         with autocast(device):
-            out.append(sequence_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows], C,
+            out.append(sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
                                          cfg.temperature))
-    return torch.cat(out)  # (B, C) float32
+    return torch.cat(out)  # (b, C) float32
 
 
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
@@ -837,6 +1014,11 @@ def update_policy(
     count as the shared denominator. Lopti's split is made once from pi_old; stage 2 starts from stage
     1's weights, keeps the same old log-probs (its ratio already sees stage 1's drift) and the optimiser
     state. Returns per-pass means of the loss statistics and grad norms.
+
+    A row with no gradient in a pass is not computed (no forward, no backward): one with no token of the
+    pass, or, when beta = 0, one whose advantage is 0 (every row of a group whose rewards are all equal). It
+    still counts in its mini-batch's token-mean denominator, so the step is the one computed over every row
+    (tested). With beta = 0 such rows' old_logprobs are never read. Statistics are over the computed rows.
     """
     B = batch["mask"].shape[0]
     mask = batch["mask"].bool()
@@ -849,27 +1031,34 @@ def update_policy(
     else:
         stages = [("all", mask)]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    out = {"ar_weight": float((cfg.alpha * batch["old_logprobs"].float().exp() + 1 - cfg.alpha)[mask].mean())}
+    has_adv = (batch["advantages"] != 0).view(B, -1).any(1, keepdim=True)  # (B, 1) before AR: pi_old unread if 0
+    used = mask & (has_adv | (cfg.beta > 0))  # (B, T) tokens of the rows that take part in the update
+    weight = cfg.alpha * batch["old_logprobs"].float().exp() + 1 - cfg.alpha  # (B, T), Eq. 4's factor
+    out = {"ar_weight": float(weight[used].mean()) if used.any() else None}
     for name, stage_mask in stages:
         t0 = time.perf_counter()
+        # rows with a gradient in this pass: an advantage on a token of the stage, or (beta > 0) a KL term there
+        live = (used & stage_mask).any(1)  # (B,)
         # token-weighted sums of policy_loss's stats, every key present even if the stage is empty
         token_sums = dict.fromkeys(("clip_high", "clip_low", "clip_dual", "kl_ref", "kl_old"), 0.0)
         losses, grad_norms, total, kl_total, skipped = [], [], 0.0, 0.0, 0
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
-                rows = slice(start, min(start + cfg.mini_batch_size, B))
-                if not stage_mask[rows].any():
-                    # Nothing of this stage here: no update (our choice; as far as we know the official code
-                    # steps anyway). A step on a zero gradient would still move the weights through AdamW's
-                    # momentum and weight decay.
+                rows = torch.arange(start, min(start + cfg.mini_batch_size, B))
+                computed = rows[live[rows]]
+                if len(computed) == 0:
+                    # No gradient here: no update (our choice; as far as we know the official code steps anyway).
+                    # A step on a zero gradient would still move the weights through AdamW's momentum and
+                    # weight decay.
                     continue
                 # Token-mean over the whole mini-batch, in every stage (official code: a Lopti stage is not
-                # renormalised over its own tokens, so the two stages' gradients add up to GRPO's).
+                # renormalised over its own tokens, so the two stages' gradients add up to GRPO's; the
+                # mini-batch-wide count, rather than verl's mean of per-micro-batch means, is our choice: it
+                # makes gradient accumulation exact).
                 n = int(mask[rows].sum())
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for m in range(rows.start, rows.stop, cfg.micro_batch_size):
-                    micro = slice(m, min(m + cfg.micro_batch_size, rows.stop))
+                for micro in computed.split(cfg.micro_batch_size):
                     sub = {k: v[micro] for k, v in batch.items()}
                     loss, stats = policy_loss(
                         logprob_fn(sub), sub["old_logprobs"], adv[micro] * stage_mask[micro], mask[micro],
@@ -894,7 +1083,8 @@ def update_policy(
         out[f"{name}/skipped_steps"] = skipped
         out[f"{name}/loss"] = sum(losses) / max(len(losses), 1)
         out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        out[f"{name}/token_share"] = float(stage_mask.sum()) / max(float(mask.sum()), 1.0)
+        out[f"{name}/token_share"] = float((stage_mask & used).sum()) / float(used.sum()) if used.any() else None
+        out[f"{name}/rows"] = float(live.float().mean())
         out[f"time/update_{name}"] = time.perf_counter() - t0
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return out
@@ -904,21 +1094,30 @@ def update_policy(
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
-    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics."""
+    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
+    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
     batch = rollout(model, tokenizer, prompts, cfg, device)
     t1 = time.perf_counter()
+    texts = [THINK_PREFIX + text for text in batch["texts"]]
     solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
-    rewards = torch.tensor([kk_reward(THINK_PREFIX + text, sol) for text, sol in zip(batch["texts"], solutions)])
+    rewards = torch.tensor([kk_reward(text, sol) for text, sol in zip(texts, solutions)])  # (B,) Logic-RL's
+    credit = torch.tensor([kk_format_credit(text, sol) if cfg.format_reward else 0.0
+                           for text, sol in zip(texts, solutions)])  # (B,)
     lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
     if cfg.mask_truncated:
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
-    batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
-    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device)  # (B, C), fixed for this step
+    trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
+    batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
+    # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
+    used = (batch["advantages"] != 0) | (cfg.beta > 0)  # (B,)
+    batch["old_logprobs"] = torch.zeros(batch["mask"].shape, device=device)  # (B, C)
+    if used.any():
+        batch["old_logprobs"][used] = batched_logprobs(model, batch, cfg, device, used)  # fixed for this step
     if ref_model is not None:
-        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device)
+        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
     t2 = time.perf_counter()
 
     def logprob_fn(micro: dict) -> torch.Tensor:
@@ -929,16 +1128,18 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
     stats = update_policy(cfg, logprob_fn, optimizer, tensors)
-    grouped = rewards.view(-1, G)
+    grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
         "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
+        "format_credit": credit.mean().item() if cfg.format_reward else None,
         "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
         "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
         "learning_rate": optimizer.param_groups[0]["lr"], **stats,
         "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
         "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
+        "samples": [{"reward": r, "completion": t} for r, t in zip(rewards[:G].tolist(), texts[:G])],
     }
 
 
@@ -952,22 +1153,21 @@ def peak_memory_gb(device: torch.device) -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def parse_num_people(spec: str) -> int | tuple[int, int]:
-    """'3-7' -> (3, 7); '5' -> 5."""
+def _people_range(spec: str) -> tuple[int, int]:
+    """'3-7' -> (3, 7); '5' -> (5, 5)."""
+    lo, _, hi = spec.partition("-")
     try:
-        lo, _, hi = spec.partition("-")
-        return (int(lo), int(hi)) if hi else int(lo)
+        return int(lo), int(hi or lo)
     except ValueError:
         raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}") from None
 
 
 def load_task_data(cfg: Config):
     """Training rows and evaluation rows (evaluation puzzles never appear in training)."""
-    train = (kk_generate(cfg.num_train, parse_num_people(cfg.num_people), seed=cfg.seed)
-             if cfg.train_data == "generate" else kk_load(cfg.train_data))
+    lo, hi = _people_range(cfg.num_people)
+    train = (kk_generate(cfg.num_train, (lo, hi), seed=cfg.seed) if cfg.train_data == "generate"
+             else kk_load(cfg.train_data))
     if cfg.eval_data == "generate":
-        spec = parse_num_people(cfg.num_people)
-        lo, hi = spec if isinstance(spec, tuple) else (spec, spec)
         evals = datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
                                       for n in range(lo, hi + 1)])
     else:
@@ -1027,8 +1227,10 @@ def latest_checkpoint(output_dir: str) -> Path | None:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
+    """One strict-JSON line (a NaN or inf value is written as null), flushed."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(clean, allow_nan=False) + "\n")
         f.flush()
 
 
@@ -1046,31 +1248,36 @@ def train(cfg: Config, resume: bool = False) -> Path:
         raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
                          f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
                          f"{cfg.micro_batch_size}")
-    ckpt = latest_checkpoint(cfg.output_dir)
-    if resume and ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out}/; start without --resume")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
+    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
+    if resume and not (out / "config.json").exists():
+        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
     if not resume and (ckpt is not None or (out / "metrics.jsonl").exists()):
         raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
                               "--output_dir")
+    _check_model_name(cfg.model)
     device = pick_device()
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
-    model = load_model(str(ckpt) if resume else cfg.model, device)
-    tokenizer = load_tokenizer(str(ckpt) if resume else cfg.model)
+    model = load_model(str(ckpt) if ckpt and resume else cfg.model, device)
+    tokenizer = load_tokenizer(str(ckpt) if ckpt and resume else cfg.model)
     ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
     ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg)
     start = 0
-    if resume:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if resume and ckpt:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # tensors and plain data only
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         start = state["step"]
-        _truncate_metrics(out / "metrics.jsonl", start)  # drop steps logged after the checkpoint
+    if resume:  # drop steps logged after the checkpoint
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            _truncate_metrics(out / name, start)
     out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
 
@@ -1089,23 +1296,24 @@ def train(cfg: Config, resume: bool = False) -> Path:
         for step in bar:
             rows = train_rows[step_rows(len(train_rows), cfg, step)]
             metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
-            done = step + 1 == cfg.steps or stop["requested"]
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
+            append_jsonl(out / "samples.jsonl", {"step": step + 1, "quiz": rows["quiz"][0],
+                                                 "samples": metrics.pop("samples")})
+            last = step + 1 == cfg.steps
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
                 metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
             append_jsonl(out / "metrics.jsonl", metrics)
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
                 save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
             if stop["requested"]:
-                print(f"stopped after step {step + 1}; continue with --resume")
-                break
+                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
     finally:
         signal.signal(signal.SIGINT, previous_handler)
     return out / "checkpoint"
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the metrics of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
+    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
     if not path.exists():
         return
     keep = []
@@ -1141,6 +1349,49 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
         out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
         out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
     out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
+    return out
+
+
+def evaluate_model(cfg: Config) -> dict[str, float]:
+    """`python lopti.py eval`: the puzzles are read first, so a bad --eval_data fails before the model loads."""
+    _check_model_name(cfg.model)
+    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
+    device = pick_device()
+    return evaluate(load_model(cfg.model, device), load_tokenizer(cfg.model), rows, cfg, device)
+
+
+def plot_runs(runs: list[Path], out: Path) -> Path:
+    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
+    line per run (5-step running mean over the raw values), labelled by method and seed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plot needs matplotlib: pip install matplotlib") from None
+    panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
+              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    for i, run in enumerate(runs):
+        if not (run / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+        method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
+            (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
+        for ax, (key, title) in zip(axes, panels):
+            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+            if points:
+                x, y = zip(*points)
+                mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
+                ax.plot(x, y, c=f"C{i}", alpha=0.25, lw=0.8)
+                ax.plot(x, mean, c=f"C{i}", label=f"{method}, seed {cfg.get('seed', '?')}")
+            ax.set(title=title, xlabel="RL step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
     return out
 
 
@@ -1587,6 +1838,48 @@ def plot_toy(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def toy_main(args: argparse.Namespace) -> dict:
+    """`python lopti.py toy`: run the toy, print the tables, write results.json (and toy.png). Only the default
+    run writes to toy/ (the README's figure); any other run goes to runs/toy/ unless --out says otherwise."""
+    quick = dict(steps=8, seeds=2, measured_batches=2, measure_after=1) if args.quick else {}
+    s = ToySettings(**{**dict(seed=args.seed, alpha=args.alpha, eta=args.eta), **quick,
+                       **{k: getattr(args, k) for k in ("steps", "seeds") if getattr(args, k) is not None}})
+    out = args.out or (Path("toy") if s == ToySettings() and not args.quick else Path("runs/toy"))
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # faster for these tiny matrices, and the same float sums on every run
+    try:
+        results = run_toy(s)
+    finally:
+        torch.set_num_threads(threads)
+    results["settings"]["quick"] = args.quick
+    results["checks"] = toy_checks(results)
+    print_toy_table(results)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "results.json", json.dumps(results, indent=1) + "\n")
+    plot_toy(results, out / "toy.png")
+    print(f"wrote {out / 'results.json'}; wall time {time.perf_counter() - t0:.1f} s")
+    return results
+
+
+# ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======
+
+PRESETS: dict[str, dict] = {
+    # a laptop CPU: a 135M instruct model, 3-person puzzles, short completions; minutes, not hours
+    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=30,
+                prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
+                micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
+                eval_size=16, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
+    # a free Colab GPU (16 GB): Qwen2.5-0.5B-Instruct, 3-5 people, 1k-token completions
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=200, prompts_per_step=8,
+                  num_generations=8, max_completion_length=1024, mini_batch_size=32, micro_batch_size=4,
+                  gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
+    # one large GPU: the paper's Qwen2.5-3B-Instruct run (the Config defaults)
+    # (generation in chunks of 64: the KV cache of 512 x 4.4k tokens of a 3B model would need ~84 GB)
+    "gpu": dict(micro_batch_size=8, generation_batch_size=64, gradient_checkpointing=True, output_dir="runs/gpu"),
+}
+
+
 def _count(lo: int):
     def parse(text: str) -> int:
         value = int(text)
@@ -1605,55 +1898,6 @@ def _unit(lo_open: bool):
     return parse
 
 
-def toy_main(argv: list[str]) -> dict:
-    """`python lopti.py toy`: run the toy, print the tables, write results.json (and toy.png) under --out."""
-    p = argparse.ArgumentParser(prog="lopti.py toy", description="The paper's mechanism on a toy softmax policy.")
-    p.add_argument("--seed", type=_count(0), default=0)
-    p.add_argument("--steps", type=_count(1), default=None, help="RL steps per run (default 100; --quick 8)")
-    p.add_argument("--seeds", type=_count(1), default=None, help="seeds per method (default 5; --quick 2)")
-    p.add_argument("--alpha", type=_unit(False), default=0.3, help="AR strength, Eq. 4")
-    p.add_argument("--eta", type=_unit(True), default=0.5, help="Lopti threshold, Algorithm 1")
-    p.add_argument("--out", type=Path, default=Path("toy"), help="folder for results.json and toy.png")
-    p.add_argument("--quick", action="store_true", help="a few seconds: fewer steps, seeds and batches")
-    a = p.parse_args(argv)
-    quick = dict(steps=8, seeds=2, measured_batches=2, measure_after=1) if a.quick else {}
-    s = ToySettings(**{**dict(seed=a.seed, alpha=a.alpha, eta=a.eta), **quick,
-                       **{k: getattr(a, k) for k in ("steps", "seeds") if getattr(a, k) is not None}})
-    threads = torch.get_num_threads()
-    t0 = time.perf_counter()
-    torch.set_num_threads(1)  # faster for these tiny matrices, and the same float sums on every run
-    try:
-        results = run_toy(s)
-    finally:
-        torch.set_num_threads(threads)
-    results["settings"]["quick"] = a.quick
-    results["checks"] = toy_checks(results)
-    print_toy_table(results)
-    a.out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(a.out / "results.json", json.dumps(results, indent=1) + "\n")
-    plot_toy(results, a.out / "toy.png")
-    print(f"wrote {a.out / 'results.json'}; wall time {time.perf_counter() - t0:.1f} s")
-    return results
-
-
-# ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======
-
-PRESETS: dict[str, dict] = {
-    # a laptop CPU: a 135M instruct model, 3-person puzzles, short completions; minutes, not hours
-    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="3", num_train=256, steps=20,
-                prompts_per_step=4, num_generations=4, max_completion_length=256, mini_batch_size=16,
-                micro_batch_size=4, eval_size=16, eval_every=10, eval_batch_size=16, save_every=10,
-                output_dir="runs/cpu"),
-    # a free Colab GPU (16 GB): Qwen2.5-0.5B-Instruct, 3-5 people, 1k-token completions
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=200, prompts_per_step=8,
-                  num_generations=8, max_completion_length=1024, mini_batch_size=32, micro_batch_size=4,
-                  gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
-    # one large GPU: the paper's Qwen2.5-3B-Instruct run (the Config defaults)
-    # (generation in chunks of 64: the KV cache of 512 x 4.4k tokens of a 3B model would need ~84 GB)
-    "gpu": dict(micro_batch_size=8, generation_batch_size=64, gradient_checkpointing=True, output_dir="runs/gpu"),
-}
-
-
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -1662,25 +1906,62 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def config_parser(prog: str) -> argparse.ArgumentParser:
-    """--preset, --resume and one --field for every Config field (unset fields are absent)."""
-    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS)
+EVAL_FIELDS = ("model", "eval_data", "eval_size", "eval_batch_size", "num_people", "max_completion_length",
+               "stop_at_answer", "num_train", "seed")  # what `eval` reads (num_train, seed: puzzles kept out)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (exit 2) and without abbreviated options (--num_generation is an error)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _config_arguments(parser: argparse.ArgumentParser, names) -> None:
+    """--preset and one --field (or --field-name) per Config field in `names`; unset fields are absent."""
     parser.add_argument("--preset", choices=sorted(PRESETS), help="settings for a machine size (see PRESETS)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --output_dir from its "
-                        "latest checkpoint, with its saved config (explicit --field values override it)")
-    types = {"float": float, "int": int, "str": str, "bool": _parse_bool}
-    docs = _field_docs()
+    types, docs = {"float": float, "int": int, "str": str, "bool": _parse_bool}, _field_docs()
     for f in fields(Config):
-        names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
-        parser.add_argument(*sorted(names), dest=f.name, type=types[f.type], metavar=f.type.upper(),
-                            help=f"{docs.get(f.name, '')} (default {f.default!r})")
+        if f.name in names:
+            parser.add_argument(*sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"}), dest=f.name,
+                                type=types[f.type], metavar=f.type.upper(), help=f"{docs[f.name]} (default {f.default!r})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lopti.py", description="GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,plot}")
+    toy = sub.add_parser("toy", help="the paper's mechanism on a toy softmax policy (CPU, < 1 minute)")
+    toy.add_argument("--seed", type=_count(0), default=0)
+    toy.add_argument("--steps", type=_count(1), help="RL steps per run (default 100; --quick 8)")
+    toy.add_argument("--seeds", type=_count(1), help="seeds per method (default 5; --quick 2)")
+    toy.add_argument("--alpha", type=_unit(False), default=0.3, help="AR strength, Eq. 4")
+    toy.add_argument("--eta", type=_unit(True), default=0.5, help="Lopti threshold, Algorithm 1")
+    toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ for the default "
+                     "run, runs/toy/ for any other)")
+    toy.add_argument("--quick", action="store_true", help="a few seconds: fewer steps, seeds and batches")
+    train = sub.add_parser("train", help="GRPO (+AR, +Lopti) on Knights and Knaves", argument_default=argparse.SUPPRESS)
+    _config_arguments(train, [f.name for f in fields(Config)])
+    train.add_argument("--resume", action="store_true", help="continue the run in --output_dir from its latest "
+                       "checkpoint (or from the start if it has none), with its saved config; explicit --field "
+                       "values override it")
+    evaluate_ = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
+    _config_arguments(evaluate_, EVAL_FIELDS)
+    plot = sub.add_parser("plot", help="reward, accuracy, format errors and Lopti's low share of runs, in one PNG")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding metrics.jsonl")
+    plot.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write (default curves.png)")
+    for p in (toy, train, evaluate_, plot):
+        p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
 
 
 def _field_docs() -> dict[str, str]:
     """The docstring under each Config field, for --help (the dataclass above is the one place to edit)."""
     body = ast.parse(inspect.getsource(Config)).body[0].body
-    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
@@ -1693,7 +1974,10 @@ def resolve_config(args: dict) -> Config:
         saved = Path(values.get("output_dir", Config.output_dir)) / "config.json"
         if not saved.exists():
             raise FileNotFoundError(f"--resume: {saved} not found; is --output_dir the run's folder?")
-        values = json.loads(saved.read_text())
+        try:
+            values = json.loads(saved.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--resume: {saved} is not valid JSON ({e})") from None
         unknown = sorted(set(values) - {f.name for f in fields(Config)})
         if unknown:
             raise ValueError(f"--resume: {saved} has fields this lopti.py does not know: {unknown} (written by "
@@ -1702,30 +1986,48 @@ def resolve_config(args: dict) -> Config:
     return Config(**values)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = ("toy", "train", "eval")
-    if not argv or argv[0] not in commands:
-        print(__doc__)
-        sys.exit(f"usage: python lopti.py {{{','.join(commands)}}} [options]; --help after a command lists them")
-    command, rest = argv[0], argv[1:]
-    if command == "toy":
-        toy_main(rest)
-        return
-    args = vars(config_parser(f"lopti.py {command}").parse_args(rest))
-    cfg = resolve_config(args)
-    if args.get("preset") in ("colab", "gpu") and pick_device().type != "cuda":
-        warnings.warn(f"--preset {args['preset']} is sized for a CUDA GPU and none was found: this will be very "
-                      "slow; use --preset cpu on this machine")
-    if command == "train":
-        print(f"done: {train(cfg, resume=args.get('resume', False))}")
-        return
-    device = pick_device()
-    model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
-    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
-    results = evaluate(model, tokenizer, rows, cfg, device)
-    print(json.dumps(results, indent=2))
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """['--learning_rate', '-1e-6'] -> ['--learning_rate=-1e-6']: argparse reads '-1e-6' as an option."""
+    out = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-(\d|\.\d|inf|nan)", arg, re.I):
+            out[-1] += "=" + arg
+        else:
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line. A user error is one line on stderr and exit code 2 (--debug shows the traceback);
+    Ctrl-C during training saves, then exits 130."""
+    args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    try:
+        if args.command == "toy":
+            toy_main(args)
+        elif args.command == "plot":
+            print(f"wrote {plot_runs(args.runs, args.out)}")
+        else:
+            values = vars(args)
+            cfg = resolve_config(values)
+            if values.get("preset") in ("colab", "gpu") and pick_device().type != "cuda":
+                warnings.warn(f"--preset {values['preset']} is sized for a CUDA GPU and none was found: this will be "
+                              "very slow; use --preset cpu on this machine")
+            if args.command == "train":
+                print(f"done: {train(cfg, resume=values.get('resume', False))}")
+            else:
+                print(json.dumps(evaluate_model(cfg), indent=2))
+    except KeyboardInterrupt as e:
+        print(f"lopti.py: {e or 'interrupted'}; continue with --resume", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if getattr(args, "debug", False):
+            raise
+        user = isinstance(e, (ValueError, OSError, ImportError))  # bad value, missing/bad file, no hub, no package
+        print(f"lopti.py {args.command}: error: {' '.join(str(e).split())}"
+              f"{'' if user else f' ({type(e).__name__}; rerun with --debug for the traceback)'}", file=sys.stderr)
+        return 2 if user else 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

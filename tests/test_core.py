@@ -76,8 +76,9 @@ def test_token_logprobs_gradient_through_chunks():
 def test_token_logprobs_bad_input():
     with pytest.raises(ValueError):
         token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError):
-        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=0)
+    for t in (0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=t)
 
 # ---------------------------------------------------------------- Advantage Reweighting (Eq. 4)
 
@@ -186,6 +187,16 @@ def test_policy_loss_padding_garbage_gives_no_nan():
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and logp.grad[0, 3] == 0
 
 
+@pytest.mark.parametrize("gap", [50.0, 90.0, 1e4])
+def test_policy_loss_gradient_is_finite_wherever_the_loss_is(gap):
+    """exp(log pi - log pi_old) overflows past ~88.7; the clamped log-ratio (upstream verl's [-20, 20]) keeps the
+    gradient finite, for positive and negative advantages."""
+    logp = torch.tensor([[gap, -gap, 0.0, gap]], requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, -1.0]]), torch.ones(1, 4, dtype=torch.bool))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
 def test_policy_loss_does_not_mutate_inputs():
     logp, old, adv, mask = _golden_batch()
     copies = [t.clone() for t in (logp, old, adv, mask)]
@@ -195,7 +206,9 @@ def test_policy_loss_does_not_mutate_inputs():
 
 @pytest.mark.parametrize("kwargs", [
     dict(epsilon=-0.1), dict(epsilon_high=-1.0), dict(dual_clip=1.0), dict(dual_clip=0.5),
-    dict(num_tokens=-1), dict(beta=0.1), dict(beta=-0.1, ref_logprobs=torch.zeros(2, 4))])
+    dict(num_tokens=-1), dict(beta=0.1), dict(beta=-0.1, ref_logprobs=torch.zeros(2, 4)),
+    dict(epsilon=float("nan")), dict(epsilon_high=float("inf")), dict(dual_clip=float("inf")),
+    dict(beta=float("inf"), ref_logprobs=torch.zeros(2, 4)), dict(num_tokens=float("nan"))])
 def test_policy_loss_bad_input(kwargs):
     logp, old, adv, mask = _golden_batch()
     with pytest.raises(ValueError):

@@ -4,17 +4,16 @@ Expectations come from the official rows in data/kk (see its README) or are writ
 """
 import ast
 import json
+import random
 import re
-import time
 from pathlib import Path
-
-
 
 import pandas as pd
 import pytest
 
-from lopti import (KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, kk_generate, kk_load,
-                        kk_parse_solution, kk_prompt, kk_reward, kk_solve)
+import lopti
+from lopti import (KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, kk_format_credit, kk_generate, kk_load,
+                   kk_parse_solution, kk_prompt, kk_reward, kk_solve)
 
 DATA = Path(__file__).parent / "data" / "kk"
 JSONL = {k: DATA / f"{k}ppl_20.jsonl" for k in range(3, 8)}
@@ -179,14 +178,6 @@ def test_num_people_int_range_and_bad_values():
             kk_generate(1, num_people=bad)
 
 
-def test_generator_speed():
-    start = time.perf_counter()
-    ds = kk_generate(1000, num_people=(3, 7), seed=0)
-    seconds = time.perf_counter() - start
-    print(f"kk_generate: 1,000 puzzles of 3-7 people in {seconds:.2f} s")
-    assert len(ds) == 1000 and seconds < 10
-
-
 # --- reward (Logic-RL's kk.py; totals: 3 correct, -0.5 wrong, -1 unreadable answer, -3 bad format) ---
 GT = "(1) Amelia is a knight\n(2) Penelope is a knave\n(3) Evelyn is a knight"
 
@@ -316,15 +307,124 @@ def test_load_errors(tmp_path):
         kk_load(tmp_path / "rows.csv")
 
 
+def _row_file(tmp_path, name, **changes):
+    row = json.loads(JSONL[3].read_text().splitlines()[0]) | changes
+    (tmp_path / name).write_text(json.dumps(row) + "\n")
+    return tmp_path / name
+
+
+def test_hostile_rows_are_rejected_quickly_with_file_and_row(tmp_path):
+    """Each row is validated in time linear in its size: a cap on people (solving is 2^n), the statement count
+    must match the names, nesting is bounded before literal_eval."""
+    names = [f"P{c}" for c in "abcdefghijklm"]  # 13 people
+    many = _row_file(tmp_path, "many.jsonl", statements=repr(tuple(("telling-truth", i) for i in range(13))),
+                     solution_text_format="\n".join(f"({i}) {n} is a knight" for i, n in enumerate(names, 1)),
+                     names=None, solution=None)
+    with pytest.raises(ValueError, match=r"many.jsonl.* row 0: 13 statements: at most 12 people"):
+        kk_load(many)
+    fewer = _row_file(tmp_path, "fewer.jsonl", statements="(('telling-truth', 1),)")
+    with pytest.raises(ValueError, match=r"row 0: 1 statements for 3 people"):
+        kk_load(fewer)
+    deep = _row_file(tmp_path, "deep.jsonl", statements="(" * 500 + ")" * 500)
+    with pytest.raises(ValueError, match=r"row 0: statements are nested deeper than"):
+        kk_load(deep)
+    no_quiz = _row_file(tmp_path, "no_quiz.jsonl", quiz="  ")
+    with pytest.raises(ValueError, match=r"row 0: quiz is missing"):
+        kk_load(no_quiz)
+    with pytest.raises(ValueError, match="at most 12 people"):
+        kk_solve(tuple(("lying", 0) for _ in range(20)))  # 2^20 assignments are never tried
+
+
+@pytest.mark.parametrize("content,match", [("", "is empty"), ("\n\n  \n", "is empty"), ('{"quiz": "x", \n', "JSON"),
+                                           ("not json\n", "not a readable .jsonl")])
+def test_malformed_files_name_the_file(tmp_path, content, match):
+    (tmp_path / "bad.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=match) as err:
+        kk_load(tmp_path / "bad.jsonl")
+    assert "bad.jsonl" in str(err.value)
+
+
+def test_zero_row_and_garbage_parquet_name_the_file(tmp_path):
+    pd.read_parquet(PARQUET).iloc[:0].to_parquet(tmp_path / "zero.parquet")
+    with pytest.raises(ValueError, match="zero.parquet' has no rows"):
+        kk_load(tmp_path / "zero.parquet")
+    (tmp_path / "garbage.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match="garbage.parquet' is not a readable .parquet"):
+        kk_load(tmp_path / "garbage.parquet")
+
+
+def test_parse_solution_equals_logic_rl_regex_and_is_linear():
+    """kk_parse_solution = Logic-RL's per-line re.search(r"\\b([A-Za-z]+)\\b.*?\\b(knight|knave)\\b", I), checked
+    on random lines, without that regex's quadratic time (40k words run in milliseconds, not a minute)."""
+    def logic_rl(text):
+        found = (re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line.strip(), re.I) for line in text.split("\n"))
+        return {m.group(1): m.group(2).lower() for m in found if m}
+
+    rng = random.Random(0)
+    pieces = list("ab AZk_1é(),.\t\n") + ["knight", "knave", "Knave", " is a ", "Zoey"]
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        expected = logic_rl(text)
+        if expected:
+            assert kk_parse_solution(text) == expected, text
+        else:
+            with pytest.raises(ValueError):
+                kk_parse_solution(text)
+    assert kk_parse_solution("a" * 40_000 + "1 " + "word " * 40_000 + "Zoey is a knave") == {"word": "knave"}
+
+
+@pytest.mark.parametrize("completion, credit", [
+    ("<think> r", 0.0),  # nothing yet
+    ("<think> r </think>", 1 / 8),
+    ("<think> r </think><answer> </answer>", 3 / 8 + 1 / 8),  # every tag, in order: the tag half is full
+    ("<think> r </think><answer> Amelia is a knight </answer>", 0.5 + 0.5 / 3),
+    (wrap("Amelia is a knight, Penelope is a knave, and Evelyn is a knight."), 1.0),
+    (wrap("Amelia is a knave, Penelope is a knight, and Evelyn is a knave."), 1.0),  # wrong roles: format only
+    (wrap("Amelia is a knight, Penelope is a knave, Evelyn is a knight or a knave."), 0.5),  # 4 role words
+    ("<think> r <answer> Amelia is a knight", 1 / 8 + 0.5 / 3),  # no </think>, no </answer>: not in order
+    ("<think> r </think> Amelia is a knight, Penelope is a knave", 1 / 8),  # names outside <answer> earn nothing
+    ("<think> r </think><answer> x </answer><answer> y </answer>", 1 / 8),  # tags twice
+    (None, 0.0),
+])
+def test_format_credit_golden(completion, credit):
+    assert kk_format_credit(completion, GT) == pytest.approx(credit)
+    # it only grows toward an answer Logic-RL can read: full credit iff the reward is 3 or -0.5
+    assert (kk_format_credit(completion, GT) == 1.0) == (kk_reward(completion, GT) in (3.0, -0.5))
+
+
 def test_load_hub_offline(monkeypatch):
     import datasets
     import huggingface_hub
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # read once at import: patch the copies
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ConnectionError, match="internet") as err:
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("no load (and no retries) offline"))
+    lopti.hub_reachable.cache_clear()
+    with pytest.raises(ConnectionError, match="not reachable") as err:
         kk_load("K-and-K/knights-and-knaves:test/3ppl")
-    assert "kk_generate" in str(err.value) and err.value.__cause__ is not None
+    assert "kk_generate" in str(err.value)
+
+
+def test_hub_unreachable_without_offline_mode(monkeypatch):
+    """No network (DNS fails): the hub counts as unreachable after one probe; an answering hub as reachable."""
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def no_network(self, *a, **k):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", no_network)
+    lopti.hub_reachable.cache_clear()
+    assert lopti.hub_reachable("org/name", "model") is False
+
+    def missing(self, *a, **k):
+        from huggingface_hub.errors import RepositoryNotFoundError
+        raise RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # (its __init__ wants an HTTP response)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", missing)
+    lopti.hub_reachable.cache_clear()
+    assert lopti.hub_reachable("org/name", "model") is True
+    lopti.hub_reachable.cache_clear()
 
 
 # --- prompt ---

@@ -4,12 +4,18 @@ import copy
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from lopti import (TOY_METHODS, ToySettings, bound_check, make_optimizer, prob_bins, toy_config, toy_main,
-                   toy_rollout, toy_update, toy_warm_start)
+import lopti
+from lopti import (TOY_METHODS, ToySettings, bound_check, make_optimizer, prob_bins, toy_config, toy_rollout,
+                   toy_update, toy_warm_start)
+
+def toy_main(argv):
+    return lopti.toy_main(lopti.build_parser().parse_args(["toy", *argv]))
+
 
 SECTIONS = ("settings", "bound", "warm_start", "fig1", "fig3", "learning", "checks")
 
@@ -84,6 +90,25 @@ def test_same_seed_same_json(quick_run, tmp_path):
 
 @pytest.mark.parametrize("bad", [["--seeds", "0"], ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
                                  ["--alpha", "-0.1"], ["--alpha", "1.5"], ["--seed", "-3"], ["--steps", "x"]])
-def test_bad_options_raise(bad, tmp_path):
-    with pytest.raises(SystemExit):
-        toy_main(bad + ["--quick", "--out", str(tmp_path)])
+def test_bad_options_are_one_line_and_exit_2(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lopti.main(["toy", *bad, "--quick", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and bad[0] in err, err
+
+
+def test_only_the_default_run_writes_toy_folder(monkeypatch, tmp_path):
+    """A non-default run (here --quick) goes to runs/toy/, so the README's committed figure stays the default's."""
+    monkeypatch.chdir(tmp_path)
+    parse = lambda *argv: lopti.build_parser().parse_args(["toy", *argv])  # noqa: E731
+    written = []
+    monkeypatch.setattr(lopti, "run_toy", lambda s: written.append(s) or {"settings": {}})
+    monkeypatch.setattr(lopti, "toy_checks", lambda r: [])
+    monkeypatch.setattr(lopti, "print_toy_table", lambda r: None)
+    monkeypatch.setattr(lopti, "plot_toy", lambda r, path: written.append(path))
+    lopti.toy_main(parse("--quick"))
+    lopti.toy_main(parse("--seed", "3"))
+    lopti.toy_main(parse())
+    lopti.toy_main(parse("--quick", "--out", "mine"))
+    folders = [w.parent for w in written if isinstance(w, Path)]
+    assert folders == [Path("runs/toy"), Path("runs/toy"), Path("toy"), Path("mine")]

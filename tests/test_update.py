@@ -124,3 +124,49 @@ def test_a_non_finite_gradient_skips_the_step_instead_of_corrupting_the_weights(
     stats = update_policy(BASE, nan_fn, opt, batch)
     assert torch.equal(w.detach(), weight) and stats["all/skipped_steps"] == 1 and not opt.state
     assert w.grad is None
+
+
+@pytest.mark.parametrize("alpha,lopti_on", [(0.0, False), (0.3, True)])
+def test_zero_advantage_rows_are_skipped_and_the_step_is_unchanged(alpha, lopti_on):
+    """beta = 0: a row whose advantage is 0 (a group whose rewards are all equal) has no gradient, so it is not
+    computed, and the parameters after the step equal those of the full computation over every row (same
+    token-mean denominator). Its pi_old is never read: a NaN placeholder changes nothing."""
+    weight, batch = _problem(7)
+    # group 1's rewards are all equal; in group 2, reward 1 is the mean: advantage exactly 0 as well
+    batch["advantages"] = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 1.0]), group_size=3)
+    skipped = batch["advantages"] == 0
+    assert skipped.tolist() == [True, True, True, False, False, True]
+    seen = []
+    w = torch.nn.Parameter(weight.clone())
+    opt = torch.optim.AdamW([w], lr=0.5, weight_decay=0.1)
+    cfg = dataclasses.replace(BASE, alpha=alpha, lopti=lopti_on, micro_batch_size=2)
+    placeholder = {**batch, "old_logprobs": torch.where(skipped[:, None], float("nan"), batch["old_logprobs"])}
+    stats = update_policy(cfg, lambda mb: seen.append(len(mb["x"])) or token_logprobs(mb["x"] @ w, mb["tokens"]),
+                          opt, placeholder)
+    stages = lopti_masks(batch["old_logprobs"], batch["mask"], 0.5) if lopti_on else (batch["mask"],)
+    assert sum(seen) == sum(int((m.any(1) & ~skipped).sum()) for m in stages)  # only rows with an advantage
+    # by hand, over all 6 rows: AR, the split, and AdamW steps on the full batch's gradients
+    w_ref = torch.nn.Parameter(weight.clone())
+    opt_ref = torch.optim.AdamW([w_ref], lr=0.5, weight_decay=0.1)
+    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], alpha)
+    for stage in stages:
+        opt_ref.zero_grad()
+        lp = token_logprobs(batch["x"] @ w_ref, batch["tokens"])
+        policy_loss(lp, batch["old_logprobs"], adv * stage, batch["mask"], kl_mask=stage)[0].backward()
+        opt_ref.step()
+    torch.testing.assert_close(w.detach(), w_ref.detach(), atol=1e-12, rtol=0)
+    for name, stage in zip(("low", "high") if lopti_on else ("all",), stages):
+        assert stats[f"{name}/rows"] == pytest.approx(float((stage.any(1) & ~skipped).float().mean()))
+
+
+def test_a_batch_without_any_gradient_takes_no_step():
+    weight, batch = _problem(8)
+    batch["advantages"] = torch.zeros(B)
+    w, stats, n_steps = _run(dataclasses.replace(BASE, alpha=0.3, lopti=True), weight, batch, optim=torch.optim.AdamW,
+                             weight_decay=0.1)
+    assert torch.equal(w, weight) and n_steps == 0
+    assert stats["ar_weight"] is None and stats["low/token_share"] is None and stats["low/rows"] == 0.0
+    # with a KL penalty every row has a gradient, advantage or not
+    batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
+    _, _, n_kl = _run(dataclasses.replace(BASE, beta=0.1), weight, batch)
+    assert n_kl == 1
