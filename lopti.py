@@ -37,14 +37,15 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 
-# ====== Config: one dataclass, paper defaults (PAPER.md Sec. 1, 3, 4) ======
+# ====== Config: one dataclass, the paper's K&K settings ======
 
 
 @dataclass
 class Config:
     """Every field is settable as `--field value`; PRESETS change a few for smaller machines.
-    Defaults are the paper's K&K run (PAPER.md Sec. 1); names shared with TRL's GRPOConfig keep TRL's
-    spelling (num_generations, temperature, max_completion_length, epsilon, epsilon_high, beta, ...)."""
+    Defaults are the paper's K&K run (Qwen2.5-3B-Instruct, as the official scripts/train_kklogic_*.sh set it);
+    names shared with TRL's GRPOConfig keep TRL's spelling (num_generations, temperature, max_completion_length,
+    epsilon, epsilon_high, beta, ...)."""
 
     # --- method
     alpha: float = 0.3
@@ -162,7 +163,7 @@ def _check_same_shape(**tensors: torch.Tensor) -> None:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's outcome advantage, one value per response (PAPER.md Sec. 1):
+    """GRPO's outcome advantage, one value per response (official: compute_grpo_outcome_advantage):
 
         A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)
 
@@ -199,7 +200,7 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t], in float32, for logits (B, T, V) and tokens (B, T).
 
-    Every log-prob (current, old, reference) uses the sampling temperature T (PAPER.md Sec. 1): scoring
+    Every log-prob (current, old, reference) uses the sampling temperature T, as the official actor does: scoring
     with softmax(z) while sampling from softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
     The chosen logit minus logsumexp is computed in fp32 over chunks of about `chunk_elems` logits, so a
     bf16 (B, T, 150k) tensor is never copied to fp32 whole; under autograd each chunk is recomputed in the
@@ -273,7 +274,7 @@ def policy_loss(
     kl_mask: torch.Tensor | None = None,
     num_tokens: int | float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (PAPER.md Sec. 1):
+    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official: core_algos.py):
 
         ratio = exp(logp - old_logp)
         pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
@@ -283,7 +284,7 @@ def policy_loss(
 
     All inputs are (B, T) (`advantages` may be (B,)). `num_tokens` defaults to mask.sum(); pass the whole
     mini-batch's token count when this call sees one micro-batch, so that accumulation gives the same
-    gradient as one big batch, and the full count in a Lopti stage (Sec. 4 of PAPER.md: a stage is not
+    gradient as one big batch, and the full count in a Lopti stage (official code: a stage is not
     renormalised over its own tokens, so the two stages' gradients add up to GRPO's).
     The dual clip, the per-stage `kl_mask`, the token-mean (the paper's GRPO objective averages each response
     with 1/|o_i| first) and the shared denominator are the official code's; the paper's text has none of them.
@@ -345,7 +346,7 @@ def policy_loss(
 
 
 # ====== Knights and Knaves: the paper's task (Sec. 5; Logic-RL's data and reward) ======
-# PAPER.md §7. Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves)
+# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves)
 # as Logic-RL ships it; reward: Logic-RL's verl/utils/reward_score/kk.py (the same file in AR-Lopti).
 
 
@@ -461,7 +462,7 @@ def _kk_parse_statements(statements):
 
 
 def _kk_sample_statement(rng, n, speaker):
-    """One statement by `speaker`, drawn from the benchmark's grammar (depth 2, width 2; PAPER.md §7)."""
+    """One statement by `speaker`, drawn from the K&K benchmark's grammar (depth 2, width 2)."""
     def leaf():
         """A leaf; the benchmark never lets the speaker call himself a knave, bare or in a compound."""
         while True:
@@ -776,7 +777,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
-    for module in model.modules():  # dropout would make the first ratio != 1 (STYLE.md pitfalls)
+    for module in model.modules():  # dropout would make the first ratio != 1
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
@@ -1235,7 +1236,7 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the paper trains (PAPER.md Sec. 1): betas 0.9/0.999, constant learning rate."""
+    """AdamW as the official scripts train: betas 0.9/0.999, constant learning rate."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
                              weight_decay=cfg.weight_decay)
 
@@ -1332,7 +1333,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# ====== Evaluation: greedy accuracy per number of people (PAPER.md Sec. 5) ======
+# ====== Evaluation: greedy accuracy per number of people, as in the paper's K&K table ======
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
@@ -1405,7 +1406,7 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
 # toy supplies the policy, the task and the reward; the update is the LLM path's code, unchanged.
 
 TOY_BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
-TOY_PAPER = {  # PAPER.md Sec. 6: the paper's GRPO run on K&K (Figures 1 and 3)
+TOY_PAPER = {  # the paper's GRPO run on K&K: Figure 1's token shares and gradient norms, Figure 3's ratios
     "share": [0.192, 0.102, 0.101, 0.605],
     "grad_norm": [0.71, 0.36, 0.24, 0.15], "grad_norm_all": 0.82,
     "grad_norm_rel": [round(g / 0.82, 3) for g in (0.71, 0.36, 0.24, 0.15)],
@@ -1767,7 +1768,7 @@ def toy_checks(r: dict) -> list[dict]:
 
 
 def print_toy_table(r: dict) -> None:
-    """The toy's numbers beside the paper's (PAPER.md Sec. 6), as plain-text tables."""
+    """The toy's numbers beside the paper's (Figures 1 and 3), as plain-text tables."""
     fmt = lambda xs: "  ".join("     n/a" if x is None else f"{x:8.3f}" for x in xs)  # noqa: E731
     bins = "  ".join(f"{b:>8}" for b in TOY_BIN_NAMES)
     print("1. Prop. 4.2 bound: ||grad_z log pi_j|| / (1 - pi_j) in [sqrt(N/(N-1)), sqrt(2)]")
@@ -1865,8 +1866,10 @@ def toy_main(args: argparse.Namespace) -> dict:
 # ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop CPU: a 135M instruct model, 3-person puzzles, short completions; minutes, not hours
-    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=30,
+    # a laptop CPU, about 30-40 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, 128-token completions
+    # that stop at </answer>, no reference model, a 20x learning rate, and the format-credit term: this model never
+    # formats an answer by chance, so Logic-RL's reward alone gives it nothing to learn from (see the README)
+    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
                 eval_size=16, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),

@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # lopti.py; conftest (make_tiny_model, CHATML, _corpus)
 
+PRESETS = ("cpu", "colab", "gpu")  # lopti.PRESETS, named here so that --help works without importing torch
 VARIANTS = {  # name -> Config overrides
     "grpo": dict(alpha=0.0, lopti=False),
     "ar_lopti": dict(alpha=0.3, lopti=True),
@@ -111,12 +112,16 @@ def bench_child(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     P, G, C = args.prompts, args.generations, args.completion
-    cfg = lopti.Config(model=str(args.model_dir), **VARIANTS[args.variant], beta=args.beta, prompts_per_step=P,
-                       num_generations=G, max_completion_length=C, mini_batch_size=args.mini_batch_size or P * G,
-                       micro_batch_size=args.micro_batch_size, num_people="3", seed=args.seed)
+    preset = lopti.PRESETS[args.preset] if args.preset else {}
+    cfg = lopti.Config(**{**preset, **VARIANTS[args.variant], "model": str(args.model_dir), "beta": args.beta,
+                          "prompts_per_step": P, "num_generations": G, "max_completion_length": C,
+                          "mini_batch_size": args.mini_batch_size or P * G, "micro_batch_size": args.micro_batch_size,
+                          "num_people": str(args.people), "seed": args.seed})
     device = lopti.pick_device()
     torch.manual_seed(cfg.seed)
-    data = lopti.kk_generate(P * (args.steps + 1 + args.max_extra_steps), 3, seed=args.seed)
+    data = lopti.kk_generate(P * (args.steps + 1 + args.max_extra_steps), args.people, seed=args.seed)
+    if args.no_prefix_sharing:  # the lever off: every row runs its own prompt, in rollout, pi_old and the update
+        lopti._distinct_rows = len
     t0 = time.perf_counter()
     model = lopti.load_model(cfg.model, device)  # exactly as lopti.train sets them up
     tokenizer = lopti.load_tokenizer(cfg.model)
@@ -144,8 +149,9 @@ def bench_child(args) -> dict:
     lopti.rollout = timed("rollout", lopti.rollout)
     lopti.batched_logprobs = timed("logprobs", lopti.batched_logprobs)
     lopti.update_policy = timed("update", lopti.update_policy)
-    lopti_masks = lopti.lopti_masks  # split at the median pi_old (see the module docstring)
-    lopti.lopti_masks = lambda old, mask, eta: lopti_masks(old, mask, float(old[mask].exp().median().clamp(max=1)))
+    if args.split == "median":  # split at the median pi_old (see the module docstring)
+        lopti_masks = lopti.lopti_masks
+        lopti.lopti_masks = lambda old, mask, eta: lopti_masks(old, mask, float(old[mask].exp().median().clamp(max=1)))
     steps, i = [], 0
     # On a shared machine a step that waited for a CPU is re-measured: run until `steps` clean steps (cpu_wait
     # below --max-cpu-wait) or until --max-extra-steps more steps have been run; the mean is over clean steps.
@@ -231,6 +237,12 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, help="prompts per step P (default per model)")
     p.add_argument("--generations", type=int, help="completions per prompt G")
     p.add_argument("--completion", type=int, help="max_completion_length C")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="start from this lopti preset (e.g. cpu: its reward "
+                   "shaping, stop at </answer>, learning rate), then apply the shape options")
+    p.add_argument("--people", type=int, default=3, help="people per K&K puzzle")
+    p.add_argument("--split", choices=("median", "eta"), default="median", help="Lopti's split: at the median "
+                   "pi_old (random weights) or at the config's eta (real weights)")
+    p.add_argument("--no-prefix-sharing", action="store_true", help="run each row's prompt itself (the lever off)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--mini-batch-size", type=int, default=0, help="0 = P * G (one optimiser step per pass)")
     p.add_argument("--variants", default="grpo,ar_lopti", help=f"comma list of {', '.join(VARIANTS)}")
@@ -279,7 +291,8 @@ def main(argv=None) -> None:
                        "--micro-batch-size", str(args.micro_batch_size),
                        "--mini-batch-size", str(args.mini_batch_size), "--threads", str(args.threads),
                        "--max-cpu-wait", str(args.max_cpu_wait), "--max-extra-steps", str(args.max_extra_steps),
-                       "--seed", str(args.seed)]
+                       "--seed", str(args.seed), "--people", str(args.people), "--split", args.split]
+                cmd += ["--preset", args.preset] * bool(args.preset) + ["--no-prefix-sharing"] * args.no_prefix_sharing
                 subprocess.run(cmd, check=True)
                 results.append(json.loads(out.read_text()))
     r0 = results[0]

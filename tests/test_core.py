@@ -20,7 +20,7 @@ def test_group_advantages_golden():
 
 
 def test_group_advantages_paper_example_and_edge_cases():
-    adv = group_advantages(torch.tensor([1.0] + [0.0] * 7), group_size=8)  # PAPER.md Sec. 1
+    adv = group_advantages(torch.tensor([1.0] + [0.0] * 7), group_size=8)  # by hand: +2.47 / -0.35
     assert round(adv[0].item(), 2) == 2.47 and round(adv[1].item(), 2) == -0.35
     # all-equal rewards that are not exactly representable: still exactly 0, never 0/eps noise
     assert (group_advantages(torch.full((6,), 0.1), group_size=3) == 0).all()
