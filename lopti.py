@@ -1863,6 +1863,166 @@ def toy_main(args: argparse.Namespace) -> dict:
     return results
 
 
+# ====== TRL: AR and Lopti inside trl.GRPOTrainer (optional: pip install trl; tested with trl 1.16.0) ======
+
+
+def __getattr__(name: str):
+    """`lopti.LoptiGRPOTrainer` imports TRL on first use; `import lopti` never does."""
+    if name == "LoptiGRPOTrainer":
+        return _lopti_grpo_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _lopti_grpo_trainer_class():
+    from trl import GRPOTrainer
+
+    class LoptiGRPOTrainer(GRPOTrainer):
+        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1) by lopti's reweight_advantages, lopti_masks and
+        policy_loss. Lopti replays each generation batch through TRL's num_iterations, which the trainer doubles (on
+        a copy of `args`): args.num_iterations keeps Config.num_iterations' meaning (PPO epochs per pass), and
+        max_steps (optimiser steps) must count Lopti's two passes. Of TRL's loss options only epsilon, epsilon_high
+        and beta apply (text prompts, token-level ratios). Unlike update_policy, TRL steps the optimiser on a
+        mini-batch without a finite gradient (e.g. an empty Lopti stage) and its advantage divides by std + 1e-4."""
+
+        def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
+                     lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
+            knobs = dict(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)
+            Config(**knobs)  # checks them
+            if args.loss_type != "dapo":  # the loss below is the step's token-mean (TRL's "dapo"); no other is made
+                raise ValueError(f"LoptiGRPOTrainer needs loss_type='dapo', got {args.loss_type!r}")
+            if lopti:
+                args = copy.copy(args)
+                args.num_iterations *= 2
+            vars(self).update(knobs)
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+
+        def _logps(self, model, batch: dict, **kwargs) -> torch.Tensor:  # (B, T) at T: TRL's LM head divides by it
+            return self._get_per_token_logps_and_entropies(
+                model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1],
+                **kwargs)[0]
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            mask, adv = out["completion_mask"].bool(), out["advantages"]  # (B, T), (B,)
+            if "old_per_token_logps" not in out and (self.alpha > 0 or self.lopti):  # TRL skips it for one pass
+                with torch.no_grad():
+                    out["old_per_token_logps"] = self._logps(self.model, out,
+                                                             batch_size=self.args.per_device_train_batch_size)
+            old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))  # (B, T); else alpha = 0
+            out["advantages"] = reweight_advantages(adv, old, self.alpha)  # (B, T), Eq. 4, before the split
+            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T), carried by TRL
+            # update_policy's metrics: over the tokens of rows with a gradient, on all processes
+            used = mask & ((adv != 0).unsqueeze(1) | (self.beta > 0))  # (B, T)
+            weight = reweight_advantages(torch.ones_like(adv), old, self.alpha)  # (B, T), Eq. 4's factor
+            n, w, low = self.accelerator.gather(torch.stack(
+                [used.sum(), (weight * used).sum(), (out["lopti_low"] & used).sum()]).float()[None]).sum(0).tolist()
+            shares = {"low": low, "high": n - low} if self.lopti else {"all": n}
+            for key, value in {"ar_weight": w, **{f"{k}/token_share": v for k, v in shares.items()}}.items():
+                self._metrics["train" if self.model.training else "eval"][key].append(value / n if n else math.nan)
+            return out
+
+        def _compute_loss(self, model, inputs):
+            mask, low, train = inputs["completion_mask"].bool(), inputs["lopti_low"], self.model.training  # (b, T)
+            stage, name = mask, "all"
+            if self.lopti and train:  # this micro-step's replay of the generation batch; first half: first stage
+                second = self._step // self.args.steps_per_generation % self.num_iterations >= self.num_iterations // 2
+                stage, name = (low, "low") if second == (self.lopti_order == "high_first") else (mask & ~low, "high")
+            # DENOM, TRL's "dapo" normaliser: the generation batch's response tokens on all processes, per process
+            # (DDP averages) and per optimiser step = the step's mini-batch's tokens, in both Lopti stages, as in
+            # update_policy (if a pass takes k > 1 steps: the mean mini-batch's count, and TRL shuffles the rows).
+            ga = self.current_gradient_accumulation_steps if train else 1
+            denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            denom = denom * ga / self.args.steps_per_generation if train else denom
+            logp = self._logps(model, inputs)  # (b, T)
+            loss, _ = policy_loss(
+                logp, inputs.get("old_per_token_logps", logp.detach()), inputs["advantages"] * stage, mask,
+                epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, dual_clip=self.dual_clip,
+                ref_logprobs=inputs.get("ref_per_token_logps"), beta=self.beta, kl_mask=stage, num_tokens=denom)
+            # update_policy's {stage}/loss, the optimiser step's loss: TRL averages the logged micro-step values
+            self._metrics["train" if train else "eval"][f"{name}/loss"].append(
+                self.accelerator.gather(loss.detach()[None]).mean().item() * ga)
+            return loss
+
+    return LoptiGRPOTrainer
+
+
+def train_trl(cfg: Config) -> Path:
+    """`python lopti.py train --engine trl`: `train`'s K&K run through LoptiGRPOTrainer, in one process or under
+    `accelerate launch`. Writes config.json, metrics.jsonl (a line per RL step) and checkpoint/ in cfg.output_dir;
+    no evaluation (run `lopti.py eval` on checkpoint/) and no --resume."""
+    from transformers import TrainerCallback
+    from trl import GRPOConfig
+
+    out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
+    if (out / "metrics.jsonl").exists():
+        raise FileExistsError(f"{out}/ holds another run; choose another --output_dir")
+    if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
+        warnings.warn("--engine trl ignores stop_at_answer: completions run to EOS")
+    tokenizer, rows = load_tokenizer(cfg.model), load_task_data(cfg)[0]
+    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"]]  # templated text: TRL applies no template
+    if tokenizer(prompts[:1])["input_ids"] != tokenizer(prompts[:1], add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{cfg.model}'s tokenizer adds special tokens to the templated prompt (as TRL calls it)")
+    data = datasets.Dataset.from_dict({"prompt": prompts, "solution_text_format": rows["solution_text_format"]})
+
+    def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
+        texts = [THINK_PREFIX + c for c in completions]
+        r = [kk_reward(t, s) for t, s in zip(texts, solution_text_format)]  # Logic-RL's, for the metrics
+        for key, value in (("kk_reward", sum(r)), ("accuracy", r.count(KK_MAX_REWARD)),
+                           ("format_error", r.count(KK_FORMAT_ERROR))):
+            log_metric(key, value / len(r))
+        return [x + cfg.format_reward * kk_format_credit(t, s) if cfg.format_reward else x
+                for x, t, s in zip(r, texts, solution_text_format)]
+
+    per_step = (2 if cfg.lopti else 1) * cfg.num_iterations * B // cfg.mini_batch_size  # optimiser steps per RL step
+    args = GRPOConfig(
+        output_dir=str(out), seed=cfg.seed, max_steps=cfg.steps * per_step, generation_batch_size=B,
+        per_device_train_batch_size=cfg.micro_batch_size, num_generations=cfg.num_generations,
+        temperature=cfg.temperature, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,  # sample from pi_old
+        max_completion_length=cfg.max_completion_length, mask_truncated_completions=cfg.mask_truncated,
+        num_iterations=cfg.num_iterations, loss_type="dapo", beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+        max_grad_norm=cfg.max_grad_norm, disable_dropout=True, gradient_checkpointing=cfg.gradient_checkpointing,
+        bf16=has_bf16(pick_device()), logging_steps=1, report_to="none", ddp_find_unused_parameters=False,
+        save_strategy="steps" if cfg.save_every else "no", save_steps=max(cfg.save_every, 1) * per_step)
+    world = args.world_size  # known once args exist (it reads the launcher's environment)
+    print(f"--engine trl: process {args.process_index} of {world} processes")
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % (cfg.micro_batch_size * world):
+        raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
+                         f"{cfg.mini_batch_size}, itself one of micro_batch_size * {world} processes")
+    args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * world)
+    pending = {}
+
+    class MetricsPerRLStep(TrainerCallback):
+        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
+        written = 0
+
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            for k, v in logs.items():
+                pending.setdefault(k, []).append(v)
+            step, rest = divmod(state.global_step, per_step)
+            if rest or step <= self.written:  # (TRL's end-of-training summary repeats the last step)
+                return
+            nums = {k: [x for x in v if isinstance(x, (int, float))] for k, v in pending.items()}
+            means, self.written = {k: sum(v) / len(v) if v else None for k, v in nums.items()}, step
+            pending.clear()
+            if state.is_world_process_zero:  # "reward": Logic-RL's, as train_step's (TRL's includes format credit)
+                append_jsonl(out / "metrics.jsonl", {**means, "step": step, "reward": means.get("kk_reward")})
+
+    model = load_model(cfg.model, torch.device("cpu"))  # the Trainer moves it to its device
+    trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases and norms
+        model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
+        dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
+        optimizers=(make_optimizer(model, cfg), None), callbacks=[MetricsPerRLStep()])
+    if trainer.accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+    trainer.train()
+    trainer.save_model(str(out / "checkpoint"))
+    return out / "checkpoint"
+
+
 # ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======
 
 PRESETS: dict[str, dict] = {
@@ -1951,6 +2111,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --output_dir from its latest "
                        "checkpoint (or from the start if it has none), with its saved config; explicit --field "
                        "values override it")
+    train.add_argument("--engine", choices=("native", "trl"), default="native", help="native: lopti's own loop "
+                       "(one device); trl: LoptiGRPOTrainer, also under `accelerate launch` (pip install trl)")
     evaluate_ = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
     _config_arguments(evaluate_, EVAL_FIELDS)
     plot = sub.add_parser("plot", help="reward, accuracy, format errors and Lopti's low share of runs, in one PNG")
@@ -2015,7 +2177,11 @@ def main(argv: list[str] | None = None) -> int:
             if values.get("preset") in ("colab", "gpu") and pick_device().type != "cuda":
                 warnings.warn(f"--preset {values['preset']} is sized for a CUDA GPU and none was found: this will be "
                               "very slow; use --preset cpu on this machine")
-            if args.command == "train":
+            if args.command == "train" and values.get("engine") == "trl":
+                if values.get("resume"):
+                    raise ValueError("--engine trl has no --resume; start a new --output_dir")
+                print(f"done: {train_trl(cfg)}")
+            elif args.command == "train":
                 print(f"done: {train(cfg, resume=values.get('resume', False))}")
             else:
                 print(json.dumps(evaluate_model(cfg), indent=2))
