@@ -152,7 +152,16 @@ class Config:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
-# ====== Core math: group advantage, log-probs, AR (Eq. 4), Lopti masks (Alg. 1), loss ======
+def _people_range(spec: str) -> tuple[int, int]:
+    """'3-7' -> (3, 7); '5' -> (5, 5)."""
+    lo, _, hi = spec.partition("-")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}") from None
+
+
+# ====== Core math: group advantage, log-probs, AR (Eq. 4), Lopti's split (Algorithm 1), the loss ======
 # Pure tensor functions. None of them mutates its inputs; each can be copied into another trainer.
 
 
@@ -345,658 +354,13 @@ def policy_loss(
     return loss, stats
 
 
-# ====== Knights and Knaves: the paper's task (Sec. 5; Logic-RL's data and reward) ======
-# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves)
-# as Logic-RL ships it; reward: Logic-RL's verl/utils/reward_score/kk.py (the same file in AR-Lopti).
-
-
-KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy = share of completions scoring exactly this
-KK_FORMAT_ERROR = -3.0  # format -1 and the answer is not read (-2)
-THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; kk_reward expects it in the text
-KK_SYSTEM_PROMPT = (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
-    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
-    "then provides the user with the answer. The reasoning process and answer are enclosed within "
-    "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
-    "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
-    "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
-    "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n"
-)
-KK_NAMES = tuple((  # the benchmark's name list (all 51 occur in the official rows)
-    "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin Amelia "
-    "Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia Logan Avery "
-    "Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley Matthew Aria "
-    "Joseph Lily Luke Aurora David Zoey Oliver Penelope"
-).split())
-_KK_PREAMBLE = ("A very special island is inhabited only by knights and knaves. "
-                "Knights always tell the truth, and knaves always lie. ")
-_KK_QUESTION = "So who is a knight and who is a knave?"
-_KK_SAYINGS = (  # the benchmark's 18 speech templates, each seen in the official rows
-    "{name} said that {content}.", "{name} told you that {content}.", '{name} said, "{content}."',
-    '{name} stated, "{content}".', 'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
-    '{name} remarked, "{content}".', '"{content}," {name} declared.', '{name} was heard saying, "{content}".',
-    "{name} expressed that {content}.", '"{content}" - {name}.', 'As {name} put it, "{content}".',
-    '{name} asserted: "{content}".', '"{content}," {name} mentioned.', '{name} commented, "{content}".',
-    'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
-)
-KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
-    "quiz": datasets.Value("string"),
-    "names": datasets.List(datasets.Value("string")),
-    "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
-    "solution_text": datasets.Value("string"),
-    "solution_text_format": datasets.Value("string"),  # the reward's ground truth
-    "statements": datasets.Value("string"),  # the official Python-literal tuple, 0-based person indices
-    "num_people": datasets.Value("int64"),
-})
-_KK_OPS = {"not": (1, 1), "and": (1, None), "or": (1, None), "->": (2, 2), "<=>": (2, 2)}  # (min, max) args
-
-
-@functools.lru_cache(maxsize=None)
-def _kk_knight_masks(n):
-    """Bit a of masks[i] is set iff person i is a knight in assignment a (itertools.product order)."""
-    # product([True, False], repeat=n) makes person i False exactly when bit n-1-i of the counter is set
-    return tuple(sum(1 << a for a in range(2 ** n) if not (a >> (n - 1 - i)) & 1) for i in range(n))
-
-
-def _kk_truth(stmt, masks, full):
-    """Truth of a statement in all 2^n assignments at once, as a bitmask (bit a = true in assignment a)."""
-    if not isinstance(stmt, (tuple, list)) or not stmt:
-        raise ValueError(f"statement must be a non-empty tuple, got {stmt!r}")
-    op, args = stmt[0], stmt[1:]
-    if op in ("telling-truth", "lying"):
-        if len(args) != 1 or not isinstance(args[0], int) or not 0 <= args[0] < len(masks):
-            raise ValueError(f"leaf {stmt!r} needs one person index in 0..{len(masks) - 1}")
-        return masks[args[0]] if op == "telling-truth" else full ^ masks[args[0]]
-    if op not in _KK_OPS:
-        raise ValueError(f"unknown operator {op!r} in {stmt!r}; allowed: telling-truth, lying, "
-                         f"{', '.join(_KK_OPS)}")
-    lo, hi = _KK_OPS[op]
-    if len(args) < lo or (hi is not None and len(args) > hi):
-        raise ValueError(f"operator {op!r} got {len(args)} operand(s) in {stmt!r}")
-    vals = [_kk_truth(a, masks, full) for a in args]
-    if op == "not":
-        return full ^ vals[0]
-    if op == "and":
-        return functools.reduce(lambda x, y: x & y, vals)
-    if op == "or":
-        return functools.reduce(lambda x, y: x | y, vals)
-    if op == "->":
-        return (full ^ vals[0]) | vals[1]
-    return full ^ (vals[0] ^ vals[1])  # "<=>"
-
-
-def kk_solve(statements):
-    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n.
-
-    `statements` is the official tuple (one statement per person) or its string, parsed with
-    ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
-    come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
-    """
-    statements = _kk_parse_statements(statements)
-    n = len(statements)
-    masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
-    ok = full
-    for i, stmt in enumerate(statements):
-        ok &= full ^ (masks[i] ^ _kk_truth(stmt, masks, full))  # speaker truthful iff knight
-    return [[not (a >> (n - 1 - i)) & 1 for i in range(n)] for a in range(2 ** n) if (ok >> a) & 1]
-
-
-KK_MAX_PEOPLE = 12  # solving tries all 2^n assignments; the benchmark's puzzles have 2 to 8 people
-_KK_MAX_DEPTH = 8  # bracket nesting of a statements string (the benchmark's is 3)
-
-
-def _kk_parse_statements(statements):
-    """The statements tuple from its string (ast.literal_eval: a literal only, never eval, since rows may come
-    from anywhere), after a linear-time check of its nesting and size."""
-    if isinstance(statements, str):
-        depth = 0
-        for ch in statements:  # literal_eval of text nested hundreds deep exhausts memory before it fails
-            depth += (ch in "([") - (ch in ")]")
-            if depth > _KK_MAX_DEPTH:
-                raise ValueError(f"statements are nested deeper than {_KK_MAX_DEPTH} brackets")
-        statements = ast.literal_eval(statements)
-    if not isinstance(statements, (tuple, list)) or not statements:
-        raise ValueError(f"statements must be a non-empty tuple of statements, got {str(statements)[:80]!r}")
-    if len(statements) > KK_MAX_PEOPLE:
-        raise ValueError(f"{len(statements)} statements: at most {KK_MAX_PEOPLE} people per puzzle are supported")
-    return statements
-
-
-def _kk_sample_statement(rng, n, speaker):
-    """One statement by `speaker`, drawn from the K&K benchmark's grammar (depth 2, width 2)."""
-    def leaf():
-        """A leaf; the benchmark never lets the speaker call himself a knave, bare or in a compound."""
-        while True:
-            cand = (rng.choice(("telling-truth", "lying")), rng.randrange(n))
-            if cand != ("lying", speaker):
-                return cand
-    kind = rng.randrange(6)  # 1/6 each: leaf, not, and, or, ->, <=>
-    if kind == 0:
-        return leaf()
-    if kind == 1:
-        return ("not", leaf())
-    first, second = leaf(), leaf()
-    while second == first:  # two distinct operands
-        second = leaf()
-    return (("and", "or", "->", "<=>")[kind - 2], first, second)
-
-
-def _kk_leaf_text(names, leaf, negate=False):
-    """'X is (not) a knight/knave' for a leaf."""
-    role = "a knight" if leaf[0] == "telling-truth" else "a knave"
-    return f"{names[leaf[1]]} is {'not ' if negate else ''}{role}"
-
-
-def _kk_statement_text(names, stmt):
-    """The benchmark's English for one statement (depth <= 2)."""
-    if stmt[0] == "not":
-        return _kk_leaf_text(names, stmt[1], negate=True)
-    if stmt[0] in ("and", "or"):
-        return f" {stmt[0]} ".join(_kk_leaf_text(names, s) for s in stmt[1:])
-    if stmt[0] == "->":
-        return f"If {_kk_leaf_text(names, stmt[1])} then {_kk_leaf_text(names, stmt[2])}"
-    if stmt[0] == "<=>":
-        return f"{_kk_leaf_text(names, stmt[1])} if and only if {_kk_leaf_text(names, stmt[2])}"
-    return _kk_leaf_text(names, stmt)
-
-
-def _kk_solution_texts(names, solution):
-    """(solution_text, solution_text_format) exactly as the official rows write them."""
-    parts = [f"{name} is {'a knight' if knight else 'a knave'}" for name, knight in zip(names, solution)]
-    text = ", ".join(parts[:-1]) + ", and " + parts[-1] + "."  # the benchmark's ", and" even for two people
-    return text, "\n".join(f"({i}) {p}" for i, p in enumerate(parts, 1))
-
-
-def kk_generate(n, num_people=(3, 7), seed=0):
-    """`n` K&K puzzles with exactly one solution, in the official schema (KK_FEATURES).
-
-    num_people: an int, or an inclusive (lo, hi) range drawn uniformly per puzzle; allowed 2..8 (the
-    benchmark's sizes; the paper trains on 3..7). Reproducible: everything comes from random.Random(seed).
-    Like the benchmark, a statement tuple is never repeated within one call.
-    """
-    bounds = (num_people,) * 2 if isinstance(num_people, int) else num_people
-    lo, hi = tuple(bounds) if isinstance(bounds, (tuple, list)) and len(bounds) == 2 else (None, None)
-    if not (isinstance(lo, int) and isinstance(hi, int) and 2 <= lo <= hi <= 8):
-        raise ValueError(f"num_people must be an int or an inclusive (lo, hi) range within 2..8 with "
-                         f"lo <= hi, got {num_people!r}")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
-    rng, seen, rows = random.Random(seed), set(), []
-    for _ in range(n):
-        k = rng.randint(lo, hi)
-        for _try in range(10_000):  # two-person puzzles run out after a few hundred distinct ones
-            statements = tuple(_kk_sample_statement(rng, k, i) for i in range(k))
-            if statements not in seen:
-                solutions = kk_solve(statements)
-                if len(solutions) == 1:
-                    break
-        else:
-            raise ValueError(f"n={n}: only {len(rows)} distinct {k}-person puzzles found; "
-                             f"ask for fewer puzzles or more people")
-        seen.add(statements)
-        names = rng.sample(KK_NAMES, k)
-        said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_statement_text(names, s))
-                        for i, s in enumerate(statements))
-        quiz = (f"{_KK_PREAMBLE}You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}. "
-                f"{said} {_KK_QUESTION}")
-        text, text_format = _kk_solution_texts(names, solutions[0])
-        rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
-                     "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
-    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
-
-
-def _kk_as_tuple(x):
-    """Nested lists (JSON has no tuples) as nested tuples, so repr() gives the official string."""
-    return tuple(_kk_as_tuple(y) for y in x) if isinstance(x, list) else x
-
-
-def _kk_normalise(row):
-    """One loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
-    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL keeps the answer here
-    text_format = row.get("solution_text_format") or truth.get("solution_text_format")
-    statements = row.get("statements") or truth.get("statements")
-    if not isinstance(row.get("quiz"), str) or not row["quiz"].strip():
-        raise ValueError("quiz is missing or empty")
-    if not isinstance(statements, str):  # a JSON list of lists; the official form is the tuple's repr
-        statements = repr(_kk_as_tuple(statements))
-    roles = kk_parse_solution(text_format)
-    names, solution = list(roles), [role == "knight" for role in roles.values()]
-    for key, value in (("names", names), ("solution", solution)):
-        if row.get(key) is not None and list(row[key]) != value:
-            raise ValueError(f"{key} {list(row[key])} disagrees with solution_text_format ({value})")
-    if len(_kk_parse_statements(statements)) != len(names):
-        raise ValueError(f"{len(_kk_parse_statements(statements))} statements for {len(names)} people")
-    if kk_solve(statements) != [solution]:
-        raise ValueError(f"statements {statements} do not have the unique solution {solution}")
-    text = row.get("solution_text") or _kk_solution_texts(names, solution)[0]
-    return {"quiz": row["quiz"], "names": names, "solution": solution, "solution_text": text,
-            "solution_text_format": text_format, "statements": statements, "num_people": len(names)}
-
-
-_KK_HUB_NAME = re.compile(r"[\w-]+/[\w.-]+(:[\w.-]+(/[\w.-]+)?)?")
-_KK_FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip")
-
-
-def kk_load(source):
-    """K&K puzzles from a local file or the Hugging Face hub, normalised to KK_FEATURES and validated.
-
-    source: a `.parquet`, `.jsonl` or `.json` path in the K&K benchmark's format (quiz, statements,
-    solution_text_format, ...) or Logic-RL's (the same plus prompt/reward_model; solution_text_format and
-    statements are taken from reward_model.ground_truth when the top-level columns are absent); or a hub
-    dataset "OWNER/NAME", "OWNER/NAME:SPLIT" or "OWNER/NAME:CONFIG/SPLIT" (default split "train"). The
-    benchmark is "K-and-K/knights-and-knaves" with configs "train"/"test" and splits "2ppl".."8ppl", e.g.
-    "K-and-K/knights-and-knaves:test/3ppl". Files and hub go through the same datasets.load_dataset.
-    """
-    source = str(source)
-    if not os.path.exists(source) and _KK_HUB_NAME.fullmatch(source) \
-            and not source.split(":")[0].lower().endswith(_KK_FILE_SUFFIXES):
-        name, _, sel = source.partition(":")
-        config, _, split = sel.rpartition("/")
-        offline = ("the Hugging Face hub is not reachable (no network, or HF_HUB_OFFLINE=1); pass a local "
-                   ".parquet/.jsonl file or make puzzles with kk_generate(n)")
-        if not hub_reachable(name, "dataset"):
-            raise ConnectionError(f"kk_load: could not load {source!r}: {offline}")
-        try:
-            ds = datasets.load_dataset(name, config or None, split=split or "train")
-        except OSError as e:  # a missing repo, config or split
-            raise ConnectionError(f"kk_load: could not load {source!r} from the Hugging Face hub "
-                                  f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
-    else:
-        path = Path(source).expanduser()
-        builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix.lower())
-        if builder is None:
-            raise ValueError(f"kk_load: unknown file type {path.suffix!r} for {source!r}; "
-                             f"accepted: .parquet, .jsonl, .json, or a hub dataset name")
-        if not path.is_file():
-            raise FileNotFoundError(f"kk_load: no such file: {source!r}")
-        with open(path, "rb") as f:
-            if not f.read(1 << 16).strip():
-                raise ValueError(f"kk_load: {source!r} is empty")
-        try:
-            import pyarrow.parquet  # (a dependency of datasets) 0-row parquet: datasets' error names nothing
-
-            empty = builder == "parquet" and pyarrow.parquet.read_metadata(path).num_rows == 0
-            ds = [] if empty else datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:  # StopIteration, DatasetGenerationError, ArrowInvalid, ... name nothing useful
-            cause = e.__cause__ or e
-            raise ValueError(f"kk_load: {source!r} is not a readable {path.suffix} file of puzzles "
-                             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from e
-    if len(ds) == 0:
-        raise ValueError(f"kk_load: {source!r} has no rows")
-    truth = ds.features.get("reward_model", {})  # Logic-RL: {ground_truth: {...}, style}
-    have = set(ds.column_names) | set(truth.get("ground_truth", ()) if isinstance(truth, dict) else ())
-    missing = [c for c in ("quiz", "solution_text_format", "statements") if c not in have]
-    if missing:
-        raise ValueError(f"kk_load: {source!r} lacks column(s) {', '.join(missing)}; accepted formats: the "
-                         f"K&K benchmark's (quiz, statements, solution_text_format, ...) or Logic-RL's "
-                         f"(quiz + reward_model.ground_truth.{{solution_text_format, statements}})")
-    rows = []
-    for i, row in enumerate(ds):
-        try:
-            rows.append(_kk_normalise(row))
-        except (ValueError, SyntaxError) as e:  # literal_eval raises either on a malformed string
-            raise ValueError(f"kk_load: {source!r} row {i}: {e}") from e
-    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
-
-
-def kk_prompt(tokenizer, quiz):
-    """The prompt text for one quiz: Logic-RL's system prompt, the quiz, and the pre-filled THINK_PREFIX.
-
-    With a chat template this is apply_chat_template([system, user]) + "<think>"; the user turn is
-    quiz + "\\n" because Logic-RL's hand-written ChatML prompt has "{quiz}\\n<|im_end|>", so a Qwen2.5
-    template reproduces the official prompt byte for byte. Without a chat template (base models) a plain
-    "...\\nUser: {quiz}\\nAssistant: <think>" layout, like Logic-RL's base template, is used with a warning
-    (Python's default warning filter shows it once per process).
-    """
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": KK_SYSTEM_PROMPT}, {"role": "user", "content": quiz + "\n"}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return text + THINK_PREFIX
-    warnings.warn("kk_prompt: the tokenizer has no chat template, so a plain 'User: ... Assistant:' template "
-                  "is used; an instruct model (e.g. Qwen2.5-*-Instruct) is recommended", UserWarning)
-    return f"{KK_SYSTEM_PROMPT}\nUser: {quiz}\nAssistant: {THINK_PREFIX}"
-
-
-def kk_parse_solution(solution_text_format):
-    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", per line.
-
-    Logic-RL's parse: the first word of letters on each line is the name, the next knight/knave its role.
-    """
-    if not isinstance(solution_text_format, str):
-        raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
-    roles = {}
-    for line in solution_text_format.split("\n"):
-        # = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.I), Logic-RL's pattern, in linear time
-        # (that regex is quadratic in the line's length): the first whole word of letters, then a role after it
-        name = next((m for m in re.finditer(r"[A-Za-z]+", line) if not _word_char(line, m.start() - 1)
-                     and not _word_char(line, m.end())), None)
-        role = name and re.search(r"\b(knight|knave)\b", line[name.end():], re.IGNORECASE)
-        if role:
-            roles[name.group()] = role.group(1).lower()
-    if not roles:
-        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
-                         f"{solution_text_format!r}")
-    return roles
-
-
-def _word_char(text: str, i: int) -> bool:
-    return 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # what \b takes for a word character
-
-
-_KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-KK_ANSWER_END = "</answer>"
-
-
-def kk_reward(completion, solution_text_format):
-    """Logic-RL's K&K reward of one completion: 3 (correct), -0.5 (wrong), -1 (unreadable answer), -3.
-
-    `completion` is the assistant text with the pre-filled THINK_PREFIX in front. Format +1 iff each tag
-    of <think></think><answer></answer> occurs exactly once and in that order, else -1 and the answer is
-    not read (answer -2). Answer (inside <answer>...</answer>): the number of "knight"/"knave" substrings
-    must equal the number of people and every name must match r"\\bNAME\\b\\s+is\\s+a\\s+\\b(knight|knave)\\b"
-    (case-insensitive, first match), else -2; then +2 if all roles are right, -1.5 if any is wrong.
-    Logic-RL scores the decoded prompt + response after its first "Assistant:" (else after
-    "<|im_start|>assistant"); its ChatML prompts contain no "Assistant:", so that equals keeping the text
-    after the first "Assistant:" of the assistant text, if any, which is done here. Never raises on model
-    text; a non-string completion scores -3.
-    """
-    truth = kk_parse_solution(solution_text_format)
-    if not isinstance(completion, str):
-        return KK_FORMAT_ERROR
-    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
-    positions = [text.find(tag) for tag in _KK_TAGS]
-    if any(text.count(tag) != 1 for tag in _KK_TAGS) or positions != sorted(positions):
-        return KK_FORMAT_ERROR
-    answer = text[positions[2] + len("<answer>"):positions[3]]  # the only <answer> block
-    if _kk_role_words(answer) != len(truth):  # an empty answer (Logic-RL checks it first) fails this as well
-        return -1.0
-    predicted = {name: _kk_named_role(name, answer) for name in truth}
-    if None in predicted.values():
-        return -1.0
-    return KK_MAX_REWARD if predicted == truth else -0.5
-
-
-def _kk_role_words(answer: str) -> int:
-    lowered = answer.lower()
-    return lowered.count("knight") + lowered.count("knave")
-
-
-def _kk_named_role(name: str, answer: str) -> str | None:
-    """The role `answer` gives `name` (Logic-RL's pattern, first match), or None."""
-    m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
-    return None if m is None else m.group(1).lower()
-
-
-def kk_format_credit(completion, solution_text_format) -> float:
-    """Partial credit in [0, 1] toward an answer Logic-RL's scorer can read: an optional shaping term for the
-    *training* reward (Config.format_reward); kk_reward is unchanged and still judges the run.
-
-    Half for the tags: 1/8 for each of </think>, <answer>, </answer> occurring exactly once, 1/8 for all four
-    tags once and in order. Half for the answer: the share of people named "NAME is a knight|knave" after the
-    first <answer> (up to </answer>), and nothing if it holds more role words than people. Empty tags earn 0.5
-    at most: a tag-only term teaches a small model `<answer> </answer>`, this one leads to naming everyone.
-    Not in the paper or the official code (their 3B model formats its answers without help).
-    """
-    names = list(kk_parse_solution(solution_text_format))
-    if not isinstance(completion, str):
-        return 0.0
-    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
-    once = [text.count(tag) == 1 for tag in _KK_TAGS]
-    positions = [text.find(tag) for tag in _KK_TAGS]
-    credit = sum(once[1:]) / 8 + (all(once) and positions == sorted(positions)) / 8
-    start = text.find("<answer>")
-    answer = "" if start < 0 else text[start + len("<answer>"):].split("</answer>", 1)[0]
-    if _kk_role_words(answer) <= len(names):
-        credit += 0.5 * sum(_kk_named_role(name, answer) is not None for name in names) / len(names)
-    return credit
-
-
-# ====== Model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old) ======
-
-
-def pick_device() -> torch.device:
-    """cuda -> mps -> cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def has_bf16(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def autocast(device: torch.device):
-    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters (and AdamW's state) stay
-    fp32: at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
-
-
-def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A causal LM with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
-    from transformers import AutoModelForCausalLM
-
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
-    for module in model.modules():  # dropout would make the first ratio != 1
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-    return model.to(device)
-
-
-def load_tokenizer(name: str):
-    """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = _from_pretrained(AutoTokenizer, name)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # masks are built from positions, so pad == EOS is safe
-    return tokenizer
-
-
-def _check_model_name(name: str) -> Path | None:
-    """The local folder `name` names, None for a hub id; an error, before anything is loaded, for a path
-    that is not a model folder."""
-    path = Path(name).expanduser()
-    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
-        return None
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model folder at {name!r} (a folder written by save_pretrained, with a "
-                                "config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
-    return path
-
-
-def _from_pretrained(cls, name: str, **kwargs):
-    path = _check_model_name(name)
-    if path is not None:
-        return cls.from_pretrained(str(path), **kwargs)
-    online = hub_reachable(name, "model")
-    try:  # offline, only a cached copy can load: at once, instead of half a minute of retries
-        return cls.from_pretrained(name, local_files_only=not online, **kwargs)
-    except OSError as e:
-        why = "the hub did not serve it (check the id)" if online else "the Hugging Face hub is not reachable " \
-              "and it is not in the local cache"
-        raise OSError(f"could not load {name!r}: there is no local folder of that name and {why}; offline, pass a "
-                      "local folder written by save_pretrained") from e
-
-
-@functools.lru_cache(maxsize=None)
-def hub_reachable(repo_id: str, repo_type: str) -> bool:
-    """False when the Hugging Face hub cannot be reached at all (no network, or HF_HUB_OFFLINE=1)."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError
-
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return False
-    try:
-        huggingface_hub.HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
-    except HfHubHTTPError:  # the hub answered (a missing, gated or private repo)
-        return True
-    except Exception:  # no network, DNS, timeout: the transport's errors differ between hub versions
-        return False
-    return True
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response: the generation config's EOS ids (Qwen has two) and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
-
-
-def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of the response tokens, built from positions: up to and including the first EOS.
-
-    Returns (mask (B, C) bool, truncated (B,) bool: no EOS at all). Building it from token values instead
-    (`tokens != pad`) drops the generated EOS when pad == EOS, and the model never learns to stop.
-    Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
-        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]
-    """
-    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
-    truncated = ~is_eos.any(dim=1)  # (B,)
-    # the number of EOS strictly before each position: 0 means "not yet stopped"
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (B, C)
-    return eos_before == 0, truncated
-
-
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
-                      temperature: float) -> torch.Tensor:
-    """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
-
-    Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
-    exactly as it would alone (models with absolute positions are wrong without them). Only the logits that
-    predict the completion are computed. Rows that share a prompt (a GRPO group) run it once: its KV cache is
-    computed for each distinct prompt and indexed for every row, which skips G - 1 of every G prompt forwards
-    (and their backward); the log-probs agree with one forward per row to float rounding (tested).
-    """
-    C = num_completion
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
-    targets = input_ids[:, -C:]  # (B, C)
-    if _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):  # (checkpointing drops HF's cache)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V)
-        # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
-        # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
-        return token_logprobs(logits, torch.nn.functional.pad(targets, (0, 1)), temperature)[:, :-1]  # (B, C)
-    cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, V) predicts o_1
-    logits = model(input_ids=targets, attention_mask=attention_mask, position_ids=position_ids[:, -C:],
-                   **{_cache_kwarg(model): cache}).logits  # (B, C, V): position t predicts o_{t+1}
-    head = token_logprobs(first, targets[:, :1], temperature)  # (B, 1)
-    tail = token_logprobs(logits, torch.nn.functional.pad(targets[:, 1:], (0, 1)), temperature)[:, :-1]  # (B, C-1)
-    return torch.cat([head, tail], 1)  # (B, C)
-
-
-def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The KV cache of left-padded prefixes (B, L), computed once per distinct row (the G rows of a group share
-    their prompt) and indexed back to all B rows, differentiably; and the logits of their last position (B, 1, V)."""
-    L = input_ids.shape[1]
-    rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
-    out = model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True, logits_to_keep=1,
-                position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
-    cache = out.cache if "cache" in out else out.past_key_values  # transformers 5 renamed it
-    cache.batch_select_indices(inverse)
-    return cache, out.logits[inverse]
-
-
-def _distinct_rows(x: torch.Tensor) -> int:
-    return len(torch.unique(x, dim=0))
-
-
-def _checkpointing(model) -> bool:
-    name = "is_activation_checkpointing"  # transformers 5; 4.x calls it is_gradient_checkpointing
-    return bool(getattr(model, name if hasattr(type(model), name) else "is_gradient_checkpointing", False))
-
-
-def _cache_kwarg(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """End each row's completion `mask` (B, C) at the token that completes the text `stop`, as generate's
-    stop_strings does; the tokens after it are padding. Returns (mask (B, C), stopped (B,) bool)."""
-    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool)
-    for i, row in enumerate(completions.tolist()):
-        pieces = tokenizer.batch_decode([[t] for t in row[: int(mask[i].sum())]])
-        at = "".join(pieces).find(stop)
-        if at >= 0:
-            ends = torch.tensor([len(p) for p in pieces]).cumsum(0)  # text length after each token
-            mask[i, int((ends < at + len(stop)).sum()) + 1:] = False
-            stopped[i] = True
-    return mask, stopped
-
-
-@torch.no_grad()
-def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False):
-    """Sample one completion per prompt (repeat prompts for groups) from pi_old at `cfg.temperature`.
-
-    Sampling is plain softmax(z / T): no top-k, top-p or repetition penalty from the model's generation
-    config, because pi_old must be the distribution the tokens were drawn from. Returns a dict with the
-    left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
-    (B, C), `truncated` (B,) and the decoded completion `texts`.
-    """
-    from transformers import GenerationConfig
-
-    model.eval()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    eos_ids = eos_token_ids(model, tokenizer)
-    # Every knob that reshapes the distribution is set to "off" (Qwen's own generation config has top_p 0.8,
-    # top_k 20, repetition_penalty 1.05). transformers 4.50-4.57 also replace any field passed at its library
-    # default (do_sample=False, top_p=1.0, ...) by the model's own value, so the model's config is swapped
-    # for this one during generate.
-    sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
-    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
-                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling,
-                               stop_strings=[KK_ANSWER_END] if cfg.stop_at_answer else None)
-    model_gen_cfg, model.generation_config = model.generation_config, gen_cfg
-    chunk = cfg.generation_batch_size or len(prompts)
-    parts = []
-    try:
-        for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
-            ids, att = enc["input_ids"][i : i + chunk], enc["attention_mask"][i : i + chunk]  # (b, P)
-            with autocast(device):
-                shared = {}
-                if _distinct_rows(ids) < len(ids):  # a group's prompt is run once, not G times
-                    shared[_cache_kwarg(model)] = prefix_cache(model, ids[:, :-1], att[:, :-1])[0]
-                out = model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
-                                     tokenizer=tokenizer, **shared)  # (b, P + C_i); no token_type_ids (4.x adds them)
-            parts.append(out[:, enc["input_ids"].shape[1]:])  # (b, C_i)
-    finally:
-        model.generation_config = model_gen_cfg
-    C = max(p.shape[1] for p in parts)
-    completions = torch.cat([torch.nn.functional.pad(p, (0, C - p.shape[1]), value=tokenizer.pad_token_id)
-                             for p in parts])  # (B, C); a chunk that stopped early is padded after its EOS
-    out = torch.cat([enc["input_ids"], completions], dim=1)  # (B, P + C)
-    mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
-    if cfg.stop_at_answer:
-        mask, stopped = cut_at(tokenizer, completions, mask, KK_ANSWER_END)
-        truncated &= ~stopped
-    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
-    attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
-    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated,
-            "texts": texts}
-
-
-@torch.no_grad()
-def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """No-grad log-probs of the completions (of the `rows`, a (B,) bool, if given), micro-batched: pi_old
-    right after rollout, or the reference. Returns (number of rows, C) float32."""
-    model.eval()
-    B, C = batch["mask"].shape
-    out = []
-    for micro in torch.arange(B)[rows if rows is not None else slice(None)].split(cfg.micro_batch_size):
-        with autocast(device):
-            out.append(sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
-                                         cfg.temperature))
-    return torch.cat(out)  # (b, C) float32
-
-
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW as the official scripts train: betas 0.9/0.999, constant learning rate."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
+                             weight_decay=cfg.weight_decay)
 
 
 def update_policy(
@@ -1091,319 +455,13 @@ def update_policy(
     return out
 
 
-# ====== Training loop: rollout -> reward -> advantage -> pi_old -> update, with checkpoints ======
-
-
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
-    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
-    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
-    G = cfg.num_generations
-    t0 = time.perf_counter()
-    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
-    batch = rollout(model, tokenizer, prompts, cfg, device)
-    t1 = time.perf_counter()
-    texts = [THINK_PREFIX + text for text in batch["texts"]]
-    solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
-    rewards = torch.tensor([kk_reward(text, sol) for text, sol in zip(texts, solutions)])  # (B,) Logic-RL's
-    credit = torch.tensor([kk_format_credit(text, sol) if cfg.format_reward else 0.0
-                           for text, sol in zip(texts, solutions)])  # (B,)
-    lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
-    if cfg.mask_truncated:
-        batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
-    trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
-    batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
-    # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
-    used = (batch["advantages"] != 0) | (cfg.beta > 0)  # (B,)
-    batch["old_logprobs"] = torch.zeros(batch["mask"].shape, device=device)  # (B, C)
-    if used.any():
-        batch["old_logprobs"][used] = batched_logprobs(model, batch, cfg, device, used)  # fixed for this step
-    if ref_model is not None:
-        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
-    t2 = time.perf_counter()
-
-    def logprob_fn(micro: dict) -> torch.Tensor:
-        with autocast(device):
-            return sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["mask"].shape[1],
-                                     cfg.temperature)
-
-    model.train()  # for gradient checkpointing; dropout is off (load_model)
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
-    stats = update_policy(cfg, logprob_fn, optimizer, tensors)
-    grouped = trained.view(-1, G)
-    return {
-        "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
-        "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
-        "format_credit": credit.mean().item() if cfg.format_reward else None,
-        "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
-        "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
-        "learning_rate": optimizer.param_groups[0]["lr"], **stats,
-        "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
-        "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
-        "samples": [{"reward": r, "completion": t} for r, t in zip(rewards[:G].tolist(), texts[:G])],
-    }
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def _people_range(spec: str) -> tuple[int, int]:
-    """'3-7' -> (3, 7); '5' -> (5, 5)."""
-    lo, _, hi = spec.partition("-")
-    try:
-        return int(lo), int(hi or lo)
-    except ValueError:
-        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}") from None
-
-
-def load_task_data(cfg: Config):
-    """Training rows and evaluation rows (evaluation puzzles never appear in training)."""
-    lo, hi = _people_range(cfg.num_people)
-    train = (kk_generate(cfg.num_train, (lo, hi), seed=cfg.seed) if cfg.train_data == "generate"
-             else kk_load(cfg.train_data))
-    if cfg.eval_data == "generate":
-        evals = datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
-                                      for n in range(lo, hi + 1)])
-    else:
-        evals = kk_load(cfg.eval_data)
-    seen = set(train["quiz"])
-    evals = evals.filter(lambda row: row["quiz"] not in seen)
-    if len(train) == 0:
-        raise ValueError(f"the training set {cfg.train_data!r} has no rows")
-    if len(evals) == 0:
-        raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
-    return train, evals
-
-
-def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
-    """The shuffled row order of one data epoch; a pure function of (seed, epoch), so resuming replays it."""
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(num_rows, generator=g).tolist()
-
-
-def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
-    """Row indices of the prompts of RL step `step` (0-based): consecutive slices of the epoch orders."""
-    first, last = step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step  # positions in the data stream
-    orders = {e: epoch_order(num_rows, cfg.seed, e) for e in range(first // num_rows, (last - 1) // num_rows + 1)}
-    return [orders[i // num_rows][i % num_rows] for i in range(first, last)]
-
-
-# Checkpoints: <output_dir>/checkpoint/ holds the latest one. A new one is written to checkpoint.tmp/ and
-# renamed over the old one only when complete, so a crash mid-save never leaves a broken latest checkpoint.
-
-
-def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int) -> Path:
-    out = Path(cfg.output_dir)
-    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
-    if old.exists() and not final.exists():  # a crash between the two renames below: restore first
-        old.rename(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg)},
-               tmp / "trainer_state.pt")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)  # the commit point
-    shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(output_dir: str) -> Path | None:
-    """The latest complete checkpoint (a crash between the two renames leaves it in checkpoint.old/)."""
-    for name in ("checkpoint", "checkpoint.old"):
-        path = Path(output_dir) / name
-        if (path / "trainer_state.pt").exists():
-            return path
-    return None
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    """One strict-JSON line (a NaN or inf value is written as null), flushed."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
-    with open(path, "a") as f:
-        f.write(json.dumps(clean, allow_nan=False) + "\n")
-        f.flush()
-
-
-def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the official scripts train: betas 0.9/0.999, constant learning rate."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
-                             weight_decay=cfg.weight_decay)
-
-
-def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
-    out = Path(cfg.output_dir)
-    B = cfg.prompts_per_step * cfg.num_generations
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
-                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
-                         f"{cfg.micro_batch_size}")
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
-    if resume and not (out / "config.json").exists():
-        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
-    if not resume and (ckpt is not None or (out / "metrics.jsonl").exists()):
-        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
-                              "--output_dir")
-    _check_model_name(cfg.model)
-    device = pick_device()
-    torch.manual_seed(cfg.seed)
-    train_rows, eval_rows = load_task_data(cfg)
-    model = load_model(str(ckpt) if ckpt and resume else cfg.model, device)
-    tokenizer = load_tokenizer(str(ckpt) if ckpt and resume else cfg.model)
-    ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
-    ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = make_optimizer(model, cfg)
-    start = 0
-    if resume and ckpt:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # tensors and plain data only
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start = state["step"]
-    if resume:  # drop steps logged after the checkpoint
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            _truncate_metrics(out / name, start)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-
-    stop = {"requested": False}
-
-    def on_sigint(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
-
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-    step = start
-    try:
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
-        for step in bar:
-            rows = train_rows[step_rows(len(train_rows), cfg, step)]
-            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
-            append_jsonl(out / "samples.jsonl", {"step": step + 1, "quiz": rows["quiz"][0],
-                                                 "samples": metrics.pop("samples")})
-            last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
-                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
-            append_jsonl(out / "metrics.jsonl", metrics)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
-                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
-            if stop["requested"]:
-                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
-    return out / "checkpoint"
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= last_step:
-                keep.append(line + "\n")
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass
-    _atomic_write(path, "".join(keep))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# ====== Evaluation: greedy accuracy per number of people, as in the paper's K&K table ======
-
-
-def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
-    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people."""
-    rewards, sizes = [], []
-    for i in range(0, len(rows), cfg.eval_batch_size):
-        chunk = rows[i : i + cfg.eval_batch_size]
-        batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
-        rewards += [kk_reward(THINK_PREFIX + t, s) for t, s in zip(batch["texts"], chunk["solution_text_format"])]
-        sizes += [len(names) for names in chunk["names"]]
-    out = {}
-    for n in sorted(set(sizes)):
-        r = [x for x, k in zip(rewards, sizes) if k == n]
-        out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
-        out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
-    out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
-    return out
-
-
-def evaluate_model(cfg: Config) -> dict[str, float]:
-    """`python lopti.py eval`: the puzzles are read first, so a bad --eval_data fails before the model loads."""
-    _check_model_name(cfg.model)
-    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
-    device = pick_device()
-    return evaluate(load_model(cfg.model, device), load_tokenizer(cfg.model), rows, cfg, device)
-
-
-def plot_runs(runs: list[Path], out: Path) -> Path:
-    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
-    line per run (5-step running mean over the raw values), labelled by method and seed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("plot needs matplotlib: pip install matplotlib") from None
-    panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
-              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
-    for i, run in enumerate(runs):
-        if not (run / "metrics.jsonl").is_file():
-            raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
-        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
-        method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
-            (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
-        for ax, (key, title) in zip(axes, panels):
-            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
-            if points:
-                x, y = zip(*points)
-                mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
-                ax.plot(x, y, c=f"C{i}", alpha=0.25, lw=0.8)
-                ax.plot(x, mean, c=f"C{i}", label=f"{method}, seed {cfg.get('seed', '?')}")
-            ax.set(title=title, xlabel="RL step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
-
-
-# ====== Toy experiment: the paper's mechanism on a softmax policy (Sec. 4, Figures 1 and 3) ======
-#
+# ====== Toy experiment: the paper's mechanism on a softmax policy (Prop. 4.2, Figures 1 and 3) ======
 # A 64-token "language" whose rule is a fixed random next-token table per prompt. A small MLP reads
 # (prompt, previous token, position) and outputs logits; its weights are shared by every position and
 # prompt, so tokens' gradients interfere as in an LLM. A short supervised warm-up on a noisy teacher
-# makes the sampled-token probabilities U-shaped. Reward = share of tokens that follow the rule. RL uses
-# lopti.py's own group_advantages and update_policy (reweight_advantages, lopti_masks, policy_loss): the
-# toy supplies the policy, the task and the reward; the update is the LLM path's code, unchanged.
+# makes the sampled-token probabilities U-shaped. Reward = share of tokens that follow the rule. The RL
+# update is update_policy above, unchanged: the toy supplies the policy, the task and the reward.
+
 
 TOY_BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
 TOY_PAPER = {  # the paper's GRPO run on K&K: Figure 1's token shares and gradient norms, Figure 3's ratios
@@ -1863,6 +921,542 @@ def toy_main(args: argparse.Namespace) -> dict:
     return results
 
 
+# ====== LLM run: model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old) ======
+
+
+def pick_device() -> torch.device:
+    """cuda -> mps -> cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def has_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters (and AdamW's state) stay
+    fp32: at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A causal LM with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
+    for module in model.modules():  # dropout would make the first ratio != 1
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model.to(device)
+
+
+def load_tokenizer(name: str):
+    """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_pretrained(AutoTokenizer, name)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # masks are built from positions, so pad == EOS is safe
+    return tokenizer
+
+
+def _check_model_name(name: str) -> Path | None:
+    """The local folder `name` names, None for a hub id; an error, before anything is loaded, for a path
+    that is not a model folder."""
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+        return None
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model folder at {name!r} (a folder written by save_pretrained, with a "
+                                "config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    return path
+
+
+def _from_pretrained(cls, name: str, **kwargs):
+    path = _check_model_name(name)
+    if path is not None:
+        return cls.from_pretrained(str(path), **kwargs)
+    online = hub_reachable(name, "model")
+    try:  # offline, only a cached copy can load: at once, instead of half a minute of retries
+        return cls.from_pretrained(name, local_files_only=not online, **kwargs)
+    except OSError as e:
+        why = "the hub did not serve it (check the id)" if online else "the Hugging Face hub is not reachable " \
+              "and it is not in the local cache"
+        raise OSError(f"could not load {name!r}: there is no local folder of that name and {why}; offline, pass a "
+                      "local folder written by save_pretrained") from e
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(repo_id: str, repo_type: str) -> bool:
+    """False when the Hugging Face hub cannot be reached at all (no network, or HF_HUB_OFFLINE=1)."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        huggingface_hub.HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
+    except HfHubHTTPError:  # the hub answered (a missing, gated or private repo)
+        return True
+    except Exception:  # no network, DNS, timeout: the transport's errors differ between hub versions
+        return False
+    return True
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the generation config's EOS ids (Qwen has two) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of the response tokens, built from positions: up to and including the first EOS.
+
+    Returns (mask (B, C) bool, truncated (B,) bool: no EOS at all). Building it from token values instead
+    (`tokens != pad`) drops the generated EOS when pad == EOS, and the model never learns to stop.
+    Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
+        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]
+    """
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
+    truncated = ~is_eos.any(dim=1)  # (B,)
+    # the number of EOS strictly before each position: 0 means "not yet stopped"
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (B, C)
+    return eos_before == 0, truncated
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
+                      temperature: float) -> torch.Tensor:
+    """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
+
+    Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
+    exactly as it would alone (models with absolute positions are wrong without them). Only the logits that
+    predict the completion are computed. Rows that share a prompt (a GRPO group) run it once: its KV cache is
+    computed for each distinct prompt and indexed for every row, which skips G - 1 of every G prompt forwards
+    (and their backward); the log-probs agree with one forward per row to float rounding (tested).
+    """
+    C = num_completion
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
+    targets = input_ids[:, -C:]  # (B, C)
+    if _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):  # (checkpointing drops HF's cache)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V)
+        # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
+        # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
+        return token_logprobs(logits, torch.nn.functional.pad(targets, (0, 1)), temperature)[:, :-1]  # (B, C)
+    cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, V) predicts o_1
+    logits = model(input_ids=targets, attention_mask=attention_mask, position_ids=position_ids[:, -C:],
+                   **{_cache_kwarg(model): cache}).logits  # (B, C, V): position t predicts o_{t+1}
+    head = token_logprobs(first, targets[:, :1], temperature)  # (B, 1)
+    tail = token_logprobs(logits, torch.nn.functional.pad(targets[:, 1:], (0, 1)), temperature)[:, :-1]  # (B, C-1)
+    return torch.cat([head, tail], 1)  # (B, C)
+
+
+def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The KV cache of left-padded prefixes (B, L), computed once per distinct row (the G rows of a group share
+    their prompt) and indexed back to all B rows, differentiably; and the logits of their last position (B, 1, V)."""
+    L = input_ids.shape[1]
+    rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
+    out = model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True, logits_to_keep=1,
+                position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
+    cache = out.cache if "cache" in out else out.past_key_values  # transformers 5 renamed it
+    cache.batch_select_indices(inverse)
+    return cache, out.logits[inverse]
+
+
+def _distinct_rows(x: torch.Tensor) -> int:
+    return len(torch.unique(x, dim=0))
+
+
+def _checkpointing(model) -> bool:
+    name = "is_activation_checkpointing"  # transformers 5; 4.x calls it is_gradient_checkpointing
+    return bool(getattr(model, name if hasattr(type(model), name) else "is_gradient_checkpointing", False))
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """End each row's completion `mask` (B, C) at the token that completes the text `stop`, as generate's
+    stop_strings does; the tokens after it are padding. Returns (mask (B, C), stopped (B,) bool)."""
+    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool)
+    for i, row in enumerate(completions.tolist()):
+        pieces = tokenizer.batch_decode([[t] for t in row[: int(mask[i].sum())]])
+        at = "".join(pieces).find(stop)
+        if at >= 0:
+            ends = torch.tensor([len(p) for p in pieces]).cumsum(0)  # text length after each token
+            mask[i, int((ends < at + len(stop)).sum()) + 1:] = False
+            stopped[i] = True
+    return mask, stopped
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False):
+    """Sample one completion per prompt (repeat prompts for groups) from pi_old at `cfg.temperature`.
+
+    Sampling is plain softmax(z / T): no top-k, top-p or repetition penalty from the model's generation
+    config, because pi_old must be the distribution the tokens were drawn from. Returns a dict with the
+    left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
+    (B, C), `truncated` (B,) and the decoded completion `texts`.
+    """
+    from transformers import GenerationConfig
+
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    eos_ids = eos_token_ids(model, tokenizer)
+    # Every knob that reshapes the distribution is set to "off" (Qwen's own generation config has top_p 0.8,
+    # top_k 20, repetition_penalty 1.05). transformers 4.50-4.57 also replace any field passed at its library
+    # default (do_sample=False, top_p=1.0, ...) by the model's own value, so the model's config is swapped
+    # for this one during generate.
+    sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
+    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
+                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling,
+                               stop_strings=[KK_ANSWER_END] if cfg.stop_at_answer else None)
+    model_gen_cfg, model.generation_config = model.generation_config, gen_cfg
+    chunk = cfg.generation_batch_size or len(prompts)
+    parts = []
+    try:
+        for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
+            ids, att = enc["input_ids"][i : i + chunk], enc["attention_mask"][i : i + chunk]  # (b, P)
+            with autocast(device):
+                shared = {}
+                if _distinct_rows(ids) < len(ids):  # a group's prompt is run once, not G times
+                    shared[_cache_kwarg(model)] = prefix_cache(model, ids[:, :-1], att[:, :-1])[0]
+                out = model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
+                                     tokenizer=tokenizer, **shared)  # (b, P + C_i); no token_type_ids (4.x adds them)
+            parts.append(out[:, enc["input_ids"].shape[1]:])  # (b, C_i)
+    finally:
+        model.generation_config = model_gen_cfg
+    C = max(p.shape[1] for p in parts)
+    completions = torch.cat([torch.nn.functional.pad(p, (0, C - p.shape[1]), value=tokenizer.pad_token_id)
+                             for p in parts])  # (B, C); a chunk that stopped early is padded after its EOS
+    out = torch.cat([enc["input_ids"], completions], dim=1)  # (B, P + C)
+    mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
+    if cfg.stop_at_answer:
+        mask, stopped = cut_at(tokenizer, completions, mask, KK_ANSWER_END)
+        truncated &= ~stopped
+    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
+    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated,
+            "texts": texts}
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """No-grad log-probs of the completions (of the `rows`, a (B,) bool, if given), micro-batched: pi_old
+    right after rollout, or the reference. Returns (number of rows, C) float32."""
+    model.eval()
+    B, C = batch["mask"].shape
+    out = []
+    for micro in torch.arange(B)[rows if rows is not None else slice(None)].split(cfg.micro_batch_size):
+        with autocast(device):
+            out.append(sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
+                                         cfg.temperature))
+    return torch.cat(out)  # (b, C) float32
+
+
+# ====== LLM run: the training loop (rollout -> reward -> advantage -> pi_old -> update), checkpoints ======
+
+
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
+    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
+    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
+    G = cfg.num_generations
+    t0 = time.perf_counter()
+    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
+    batch = rollout(model, tokenizer, prompts, cfg, device)
+    t1 = time.perf_counter()
+    texts = [THINK_PREFIX + text for text in batch["texts"]]
+    solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
+    rewards = torch.tensor([kk_reward(text, sol) for text, sol in zip(texts, solutions)])  # (B,) Logic-RL's
+    credit = torch.tensor([kk_format_credit(text, sol) if cfg.format_reward else 0.0
+                           for text, sol in zip(texts, solutions)])  # (B,)
+    lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
+    if cfg.mask_truncated:
+        batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
+    trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
+    batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
+    # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
+    used = (batch["advantages"] != 0) | (cfg.beta > 0)  # (B,)
+    batch["old_logprobs"] = torch.zeros(batch["mask"].shape, device=device)  # (B, C)
+    if used.any():
+        batch["old_logprobs"][used] = batched_logprobs(model, batch, cfg, device, used)  # fixed for this step
+    if ref_model is not None:
+        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
+    t2 = time.perf_counter()
+
+    def logprob_fn(micro: dict) -> torch.Tensor:
+        with autocast(device):
+            return sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["mask"].shape[1],
+                                     cfg.temperature)
+
+    model.train()  # for gradient checkpointing; dropout is off (load_model)
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
+    stats = update_policy(cfg, logprob_fn, optimizer, tensors)
+    grouped = trained.view(-1, G)
+    return {
+        "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
+        "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
+        "format_credit": credit.mean().item() if cfg.format_reward else None,
+        "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
+        "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
+        "learning_rate": optimizer.param_groups[0]["lr"], **stats,
+        "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
+        "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
+        "samples": [{"reward": r, "completion": t} for r, t in zip(rewards[:G].tolist(), texts[:G])],
+    }
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def load_task_data(cfg: Config):
+    """Training rows and evaluation rows (evaluation puzzles never appear in training)."""
+    lo, hi = _people_range(cfg.num_people)
+    train = (kk_generate(cfg.num_train, (lo, hi), seed=cfg.seed) if cfg.train_data == "generate"
+             else kk_load(cfg.train_data))
+    if cfg.eval_data == "generate":
+        evals = datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
+                                      for n in range(lo, hi + 1)])
+    else:
+        evals = kk_load(cfg.eval_data)
+    seen = set(train["quiz"])
+    evals = evals.filter(lambda row: row["quiz"] not in seen)
+    if len(train) == 0:
+        raise ValueError(f"the training set {cfg.train_data!r} has no rows")
+    if len(evals) == 0:
+        raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
+    return train, evals
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled row order of one data epoch; a pure function of (seed, epoch), so resuming replays it."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
+    """Row indices of the prompts of RL step `step` (0-based): consecutive slices of the epoch orders."""
+    first, last = step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step  # positions in the data stream
+    orders = {e: epoch_order(num_rows, cfg.seed, e) for e in range(first // num_rows, (last - 1) // num_rows + 1)}
+    return [orders[i // num_rows][i % num_rows] for i in range(first, last)]
+
+
+# Checkpoints: <output_dir>/checkpoint/ holds the latest one. A new one is written to checkpoint.tmp/ and
+# renamed over the old one only when complete, so a crash mid-save never leaves a broken latest checkpoint.
+
+
+def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int) -> Path:
+    out = Path(cfg.output_dir)
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if old.exists() and not final.exists():  # a crash between the two renames below: restore first
+        old.rename(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg)},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)  # the commit point
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(output_dir: str) -> Path | None:
+    """The latest complete checkpoint (a crash between the two renames leaves it in checkpoint.old/)."""
+    for name in ("checkpoint", "checkpoint.old"):
+        path = Path(output_dir) / name
+        if (path / "trainer_state.pt").exists():
+            return path
+    return None
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One strict-JSON line (a NaN or inf value is written as null), flushed."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    with open(path, "a") as f:
+        f.write(json.dumps(clean, allow_nan=False) + "\n")
+        f.flush()
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
+    out = Path(cfg.output_dir)
+    B = cfg.prompts_per_step * cfg.num_generations
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
+                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
+                         f"{cfg.micro_batch_size}")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
+    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
+    if resume and not (out / "config.json").exists():
+        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
+    if not resume and (ckpt is not None or (out / "metrics.jsonl").exists()):
+        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
+                              "--output_dir")
+    _check_model_name(cfg.model)
+    device = pick_device()
+    torch.manual_seed(cfg.seed)
+    train_rows, eval_rows = load_task_data(cfg)
+    model = load_model(str(ckpt) if ckpt and resume else cfg.model, device)
+    tokenizer = load_tokenizer(str(ckpt) if ckpt and resume else cfg.model)
+    ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
+    ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(model, cfg)
+    start = 0
+    if resume and ckpt:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # tensors and plain data only
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        start = state["step"]
+    if resume:  # drop steps logged after the checkpoint
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            _truncate_metrics(out / name, start)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+
+    stop = {"requested": False}
+
+    def on_sigint(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
+
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    step = start
+    try:
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
+        for step in bar:
+            rows = train_rows[step_rows(len(train_rows), cfg, step)]
+            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
+            append_jsonl(out / "samples.jsonl", {"step": step + 1, "quiz": rows["quiz"][0],
+                                                 "samples": metrics.pop("samples")})
+            last = step + 1 == cfg.steps
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
+            append_jsonl(out / "metrics.jsonl", metrics)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
+                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
+            if stop["requested"]:
+                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    return out / "checkpoint"
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    _atomic_write(path, "".join(keep))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ====== LLM run: evaluation (greedy accuracy per number of people, as in the paper's K&K table) and plots ======
+
+
+def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
+    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people."""
+    rewards, sizes = [], []
+    for i in range(0, len(rows), cfg.eval_batch_size):
+        chunk = rows[i : i + cfg.eval_batch_size]
+        batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
+        rewards += [kk_reward(THINK_PREFIX + t, s) for t, s in zip(batch["texts"], chunk["solution_text_format"])]
+        sizes += [len(names) for names in chunk["names"]]
+    out = {}
+    for n in sorted(set(sizes)):
+        r = [x for x, k in zip(rewards, sizes) if k == n]
+        out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
+        out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
+    out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
+    return out
+
+
+def evaluate_model(cfg: Config) -> dict[str, float]:
+    """`python lopti.py eval`: the puzzles are read first, so a bad --eval_data fails before the model loads."""
+    _check_model_name(cfg.model)
+    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
+    device = pick_device()
+    return evaluate(load_model(cfg.model, device), load_tokenizer(cfg.model), rows, cfg, device)
+
+
+def plot_runs(runs: list[Path], out: Path) -> Path:
+    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
+    line per run (5-step running mean over the raw values), labelled by method and seed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plot needs matplotlib: pip install matplotlib") from None
+    panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
+              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    for i, run in enumerate(runs):
+        if not (run / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+        method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
+            (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
+        for ax, (key, title) in zip(axes, panels):
+            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+            if points:
+                x, y = zip(*points)
+                mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
+                ax.plot(x, y, c=f"C{i}", alpha=0.25, lw=0.8)
+                ax.plot(x, mean, c=f"C{i}", label=f"{method}, seed {cfg.get('seed', '?')}")
+            ax.set(title=title, xlabel="RL step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 # ====== TRL: AR and Lopti inside trl.GRPOTrainer (optional: pip install trl; tested with trl 1.16.0) ======
 
 
@@ -2023,7 +1617,413 @@ def train_trl(cfg: Config) -> Path:
     return out / "checkpoint"
 
 
-# ====== CLI: python lopti.py {toy,train,eval} [--preset NAME] [--field value ...] ======
+# ====== Knights and Knaves: the paper's task (Logic-RL's data and reward) ======
+# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves) as Logic-RL ships
+# it (the official code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py (also in AR-Lopti).
+
+
+KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy = share of completions scoring exactly this
+KK_FORMAT_ERROR = -3.0  # format -1 and the answer is not read (-2)
+THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; kk_reward expects it in the text
+KK_SYSTEM_PROMPT = (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
+    "then provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
+    "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
+    "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
+    "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n"
+)
+KK_NAMES = tuple((  # the benchmark's name list (all 51 occur in the official rows)
+    "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin Amelia "
+    "Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia Logan Avery "
+    "Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley Matthew Aria "
+    "Joseph Lily Luke Aurora David Zoey Oliver Penelope"
+).split())
+_KK_PREAMBLE = ("A very special island is inhabited only by knights and knaves. "
+                "Knights always tell the truth, and knaves always lie. ")
+_KK_QUESTION = "So who is a knight and who is a knave?"
+_KK_SAYINGS = (  # the benchmark's 18 speech templates, each seen in the official rows
+    "{name} said that {content}.", "{name} told you that {content}.", '{name} said, "{content}."',
+    '{name} stated, "{content}".', 'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
+    '{name} remarked, "{content}".', '"{content}," {name} declared.', '{name} was heard saying, "{content}".',
+    "{name} expressed that {content}.", '"{content}" - {name}.', 'As {name} put it, "{content}".',
+    '{name} asserted: "{content}".', '"{content}," {name} mentioned.', '{name} commented, "{content}".',
+    'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
+)
+KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
+    "quiz": datasets.Value("string"),
+    "names": datasets.List(datasets.Value("string")),
+    "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
+    "solution_text": datasets.Value("string"),
+    "solution_text_format": datasets.Value("string"),  # the reward's ground truth
+    "statements": datasets.Value("string"),  # the official Python-literal tuple, 0-based person indices
+    "num_people": datasets.Value("int64"),
+})
+_KK_OPS = {"not": (1, 1), "and": (1, None), "or": (1, None), "->": (2, 2), "<=>": (2, 2)}  # (min, max) args
+
+
+@functools.lru_cache(maxsize=None)
+def _kk_knight_masks(n):
+    """Bit a of masks[i] is set iff person i is a knight in assignment a (itertools.product order)."""
+    # product([True, False], repeat=n) makes person i False exactly when bit n-1-i of the counter is set
+    return tuple(sum(1 << a for a in range(2 ** n) if not (a >> (n - 1 - i)) & 1) for i in range(n))
+
+
+def _kk_truth(stmt, masks, full):
+    """Truth of a statement in all 2^n assignments at once, as a bitmask (bit a = true in assignment a)."""
+    if not isinstance(stmt, (tuple, list)) or not stmt:
+        raise ValueError(f"statement must be a non-empty tuple, got {stmt!r}")
+    op, args = stmt[0], stmt[1:]
+    if op in ("telling-truth", "lying"):
+        if len(args) != 1 or not isinstance(args[0], int) or not 0 <= args[0] < len(masks):
+            raise ValueError(f"leaf {stmt!r} needs one person index in 0..{len(masks) - 1}")
+        return masks[args[0]] if op == "telling-truth" else full ^ masks[args[0]]
+    if op not in _KK_OPS:
+        raise ValueError(f"unknown operator {op!r} in {stmt!r}; allowed: telling-truth, lying, "
+                         f"{', '.join(_KK_OPS)}")
+    lo, hi = _KK_OPS[op]
+    if len(args) < lo or (hi is not None and len(args) > hi):
+        raise ValueError(f"operator {op!r} got {len(args)} operand(s) in {stmt!r}")
+    vals = [_kk_truth(a, masks, full) for a in args]
+    if op == "not":
+        return full ^ vals[0]
+    if op == "and":
+        return functools.reduce(lambda x, y: x & y, vals)
+    if op == "or":
+        return functools.reduce(lambda x, y: x | y, vals)
+    if op == "->":
+        return (full ^ vals[0]) | vals[1]
+    return full ^ (vals[0] ^ vals[1])  # "<=>"
+
+
+def kk_solve(statements):
+    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n.
+
+    `statements` is the official tuple (one statement per person) or its string, parsed with
+    ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
+    come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
+    """
+    statements = _kk_parse_statements(statements)
+    n = len(statements)
+    masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
+    ok = full
+    for i, stmt in enumerate(statements):
+        ok &= full ^ (masks[i] ^ _kk_truth(stmt, masks, full))  # speaker truthful iff knight
+    return [[not (a >> (n - 1 - i)) & 1 for i in range(n)] for a in range(2 ** n) if (ok >> a) & 1]
+
+
+KK_MAX_PEOPLE = 12  # solving tries all 2^n assignments; the benchmark's puzzles have 2 to 8 people
+_KK_MAX_DEPTH = 8  # bracket nesting of a statements string (the benchmark's is 3)
+
+
+def _kk_parse_statements(statements):
+    """The statements tuple from its string (ast.literal_eval: a literal only, never eval, since rows may come
+    from anywhere), after a linear-time check of its nesting and size."""
+    if isinstance(statements, str):
+        depth = 0
+        for ch in statements:  # literal_eval of text nested hundreds deep exhausts memory before it fails
+            depth += (ch in "([") - (ch in ")]")
+            if depth > _KK_MAX_DEPTH:
+                raise ValueError(f"statements are nested deeper than {_KK_MAX_DEPTH} brackets")
+        statements = ast.literal_eval(statements)
+    if not isinstance(statements, (tuple, list)) or not statements:
+        raise ValueError(f"statements must be a non-empty tuple of statements, got {str(statements)[:80]!r}")
+    if len(statements) > KK_MAX_PEOPLE:
+        raise ValueError(f"{len(statements)} statements: at most {KK_MAX_PEOPLE} people per puzzle are supported")
+    return statements
+
+
+def _kk_sample_statement(rng, n, speaker):
+    """One statement by `speaker`, drawn from the K&K benchmark's grammar (depth 2, width 2)."""
+    def leaf():
+        """A leaf; the benchmark never lets the speaker call himself a knave, bare or in a compound."""
+        while True:
+            cand = (rng.choice(("telling-truth", "lying")), rng.randrange(n))
+            if cand != ("lying", speaker):
+                return cand
+    kind = rng.randrange(6)  # 1/6 each: leaf, not, and, or, ->, <=>
+    if kind == 0:
+        return leaf()
+    if kind == 1:
+        return ("not", leaf())
+    first, second = leaf(), leaf()
+    while second == first:  # two distinct operands
+        second = leaf()
+    return (("and", "or", "->", "<=>")[kind - 2], first, second)
+
+
+def _kk_leaf_text(names, leaf, negate=False):
+    """'X is (not) a knight/knave' for a leaf."""
+    role = "a knight" if leaf[0] == "telling-truth" else "a knave"
+    return f"{names[leaf[1]]} is {'not ' if negate else ''}{role}"
+
+
+def _kk_statement_text(names, stmt):
+    """The benchmark's English for one statement (depth <= 2)."""
+    if stmt[0] == "not":
+        return _kk_leaf_text(names, stmt[1], negate=True)
+    if stmt[0] in ("and", "or"):
+        return f" {stmt[0]} ".join(_kk_leaf_text(names, s) for s in stmt[1:])
+    if stmt[0] == "->":
+        return f"If {_kk_leaf_text(names, stmt[1])} then {_kk_leaf_text(names, stmt[2])}"
+    if stmt[0] == "<=>":
+        return f"{_kk_leaf_text(names, stmt[1])} if and only if {_kk_leaf_text(names, stmt[2])}"
+    return _kk_leaf_text(names, stmt)
+
+
+def _kk_solution_texts(names, solution):
+    """(solution_text, solution_text_format) exactly as the official rows write them."""
+    parts = [f"{name} is {'a knight' if knight else 'a knave'}" for name, knight in zip(names, solution)]
+    text = ", ".join(parts[:-1]) + ", and " + parts[-1] + "."  # the benchmark's ", and" even for two people
+    return text, "\n".join(f"({i}) {p}" for i, p in enumerate(parts, 1))
+
+
+def kk_generate(n, num_people=(3, 7), seed=0):
+    """`n` K&K puzzles with exactly one solution, in the official schema (KK_FEATURES).
+
+    num_people: an int, or an inclusive (lo, hi) range drawn uniformly per puzzle; allowed 2..8 (the
+    benchmark's sizes; the paper trains on 3..7). Reproducible: everything comes from random.Random(seed).
+    Like the benchmark, a statement tuple is never repeated within one call.
+    """
+    bounds = (num_people,) * 2 if isinstance(num_people, int) else num_people
+    lo, hi = tuple(bounds) if isinstance(bounds, (tuple, list)) and len(bounds) == 2 else (None, None)
+    if not (isinstance(lo, int) and isinstance(hi, int) and 2 <= lo <= hi <= 8):
+        raise ValueError(f"num_people must be an int or an inclusive (lo, hi) range within 2..8 with "
+                         f"lo <= hi, got {num_people!r}")
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    rng, seen, rows = random.Random(seed), set(), []
+    for _ in range(n):
+        k = rng.randint(lo, hi)
+        for _try in range(10_000):  # two-person puzzles run out after a few hundred distinct ones
+            statements = tuple(_kk_sample_statement(rng, k, i) for i in range(k))
+            if statements not in seen:
+                solutions = kk_solve(statements)
+                if len(solutions) == 1:
+                    break
+        else:
+            raise ValueError(f"n={n}: only {len(rows)} distinct {k}-person puzzles found; "
+                             f"ask for fewer puzzles or more people")
+        seen.add(statements)
+        names = rng.sample(KK_NAMES, k)
+        said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_statement_text(names, s))
+                        for i, s in enumerate(statements))
+        quiz = (f"{_KK_PREAMBLE}You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}. "
+                f"{said} {_KK_QUESTION}")
+        text, text_format = _kk_solution_texts(names, solutions[0])
+        rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
+                     "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
+    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
+
+
+def _kk_as_tuple(x):
+    """Nested lists (JSON has no tuples) as nested tuples, so repr() gives the official string."""
+    return tuple(_kk_as_tuple(y) for y in x) if isinstance(x, list) else x
+
+
+def _kk_normalise(row):
+    """One loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
+    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL keeps the answer here
+    text_format = row.get("solution_text_format") or truth.get("solution_text_format")
+    statements = row.get("statements") or truth.get("statements")
+    if not isinstance(row.get("quiz"), str) or not row["quiz"].strip():
+        raise ValueError("quiz is missing or empty")
+    if not isinstance(statements, str):  # a JSON list of lists; the official form is the tuple's repr
+        statements = repr(_kk_as_tuple(statements))
+    roles = kk_parse_solution(text_format)
+    names, solution = list(roles), [role == "knight" for role in roles.values()]
+    for key, value in (("names", names), ("solution", solution)):
+        if row.get(key) is not None and list(row[key]) != value:
+            raise ValueError(f"{key} {list(row[key])} disagrees with solution_text_format ({value})")
+    if len(_kk_parse_statements(statements)) != len(names):
+        raise ValueError(f"{len(_kk_parse_statements(statements))} statements for {len(names)} people")
+    if kk_solve(statements) != [solution]:
+        raise ValueError(f"statements {statements} do not have the unique solution {solution}")
+    text = row.get("solution_text") or _kk_solution_texts(names, solution)[0]
+    return {"quiz": row["quiz"], "names": names, "solution": solution, "solution_text": text,
+            "solution_text_format": text_format, "statements": statements, "num_people": len(names)}
+
+
+_KK_HUB_NAME = re.compile(r"[\w-]+/[\w.-]+(:[\w.-]+(/[\w.-]+)?)?")
+_KK_FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip")
+
+
+def kk_load(source):
+    """K&K puzzles from a local file or the Hugging Face hub, normalised to KK_FEATURES and validated.
+
+    source: a `.parquet`, `.jsonl` or `.json` path in the K&K benchmark's format (quiz, statements,
+    solution_text_format, ...) or Logic-RL's (the same plus prompt/reward_model; solution_text_format and
+    statements are taken from reward_model.ground_truth when the top-level columns are absent); or a hub
+    dataset "OWNER/NAME", "OWNER/NAME:SPLIT" or "OWNER/NAME:CONFIG/SPLIT" (default split "train"). The
+    benchmark is "K-and-K/knights-and-knaves" with configs "train"/"test" and splits "2ppl".."8ppl", e.g.
+    "K-and-K/knights-and-knaves:test/3ppl". Files and hub go through the same datasets.load_dataset.
+    """
+    source = str(source)
+    if not os.path.exists(source) and _KK_HUB_NAME.fullmatch(source) \
+            and not source.split(":")[0].lower().endswith(_KK_FILE_SUFFIXES):
+        name, _, sel = source.partition(":")
+        config, _, split = sel.rpartition("/")
+        offline = ("the Hugging Face hub is not reachable (no network, or HF_HUB_OFFLINE=1); pass a local "
+                   ".parquet/.jsonl file or make puzzles with kk_generate(n)")
+        if not hub_reachable(name, "dataset"):
+            raise ConnectionError(f"kk_load: could not load {source!r}: {offline}")
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split or "train")
+        except OSError as e:  # a missing repo, config or split
+            raise ConnectionError(f"kk_load: could not load {source!r} from the Hugging Face hub "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+    else:
+        path = Path(source).expanduser()
+        builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"kk_load: unknown file type {path.suffix!r} for {source!r}; "
+                             f"accepted: .parquet, .jsonl, .json, or a hub dataset name")
+        if not path.is_file():
+            raise FileNotFoundError(f"kk_load: no such file: {source!r}")
+        with open(path, "rb") as f:
+            if not f.read(1 << 16).strip():
+                raise ValueError(f"kk_load: {source!r} is empty")
+        try:
+            import pyarrow.parquet  # (a dependency of datasets) 0-row parquet: datasets' error names nothing
+
+            empty = builder == "parquet" and pyarrow.parquet.read_metadata(path).num_rows == 0
+            ds = [] if empty else datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # StopIteration, DatasetGenerationError, ArrowInvalid, ... name nothing useful
+            cause = e.__cause__ or e
+            raise ValueError(f"kk_load: {source!r} is not a readable {path.suffix} file of puzzles "
+                             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from e
+    if len(ds) == 0:
+        raise ValueError(f"kk_load: {source!r} has no rows")
+    truth = ds.features.get("reward_model", {})  # Logic-RL: {ground_truth: {...}, style}
+    have = set(ds.column_names) | set(truth.get("ground_truth", ()) if isinstance(truth, dict) else ())
+    missing = [c for c in ("quiz", "solution_text_format", "statements") if c not in have]
+    if missing:
+        raise ValueError(f"kk_load: {source!r} lacks column(s) {', '.join(missing)}; accepted formats: the "
+                         f"K&K benchmark's (quiz, statements, solution_text_format, ...) or Logic-RL's "
+                         f"(quiz + reward_model.ground_truth.{{solution_text_format, statements}})")
+    rows = []
+    for i, row in enumerate(ds):
+        try:
+            rows.append(_kk_normalise(row))
+        except (ValueError, SyntaxError) as e:  # literal_eval raises either on a malformed string
+            raise ValueError(f"kk_load: {source!r} row {i}: {e}") from e
+    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
+
+
+def kk_prompt(tokenizer, quiz):
+    """The prompt text for one quiz: Logic-RL's system prompt, the quiz, and the pre-filled THINK_PREFIX.
+
+    With a chat template this is apply_chat_template([system, user]) + "<think>"; the user turn is
+    quiz + "\\n" because Logic-RL's hand-written ChatML prompt has "{quiz}\\n<|im_end|>", so a Qwen2.5
+    template reproduces the official prompt byte for byte. Without a chat template (base models) a plain
+    "...\\nUser: {quiz}\\nAssistant: <think>" layout, like Logic-RL's base template, is used with a warning
+    (Python's default warning filter shows it once per process).
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": KK_SYSTEM_PROMPT}, {"role": "user", "content": quiz + "\n"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text + THINK_PREFIX
+    warnings.warn("kk_prompt: the tokenizer has no chat template, so a plain 'User: ... Assistant:' template "
+                  "is used; an instruct model (e.g. Qwen2.5-*-Instruct) is recommended", UserWarning)
+    return f"{KK_SYSTEM_PROMPT}\nUser: {quiz}\nAssistant: {THINK_PREFIX}"
+
+
+def kk_parse_solution(solution_text_format):
+    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", per line.
+
+    Logic-RL's parse: the first word of letters on each line is the name, the next knight/knave its role.
+    """
+    if not isinstance(solution_text_format, str):
+        raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
+    roles = {}
+    for line in solution_text_format.split("\n"):
+        # = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.I), Logic-RL's pattern, in linear time
+        # (that regex is quadratic in the line's length): the first whole word of letters, then a role after it
+        name = next((m for m in re.finditer(r"[A-Za-z]+", line) if not _word_char(line, m.start() - 1)
+                     and not _word_char(line, m.end())), None)
+        role = name and re.search(r"\b(knight|knave)\b", line[name.end():], re.IGNORECASE)
+        if role:
+            roles[name.group()] = role.group(1).lower()
+    if not roles:
+        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
+                         f"{solution_text_format!r}")
+    return roles
+
+
+def _word_char(text: str, i: int) -> bool:
+    return 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # what \b takes for a word character
+
+
+_KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+KK_ANSWER_END = "</answer>"
+
+
+def kk_reward(completion, solution_text_format):
+    """Logic-RL's K&K reward of one completion: 3 (correct), -0.5 (wrong), -1 (unreadable answer), -3.
+
+    `completion` is the assistant text with the pre-filled THINK_PREFIX in front. Format +1 iff each tag
+    of <think></think><answer></answer> occurs exactly once and in that order, else -1 and the answer is
+    not read (answer -2). Answer (inside <answer>...</answer>): the number of "knight"/"knave" substrings
+    must equal the number of people and every name must match r"\\bNAME\\b\\s+is\\s+a\\s+\\b(knight|knave)\\b"
+    (case-insensitive, first match), else -2; then +2 if all roles are right, -1.5 if any is wrong.
+    Logic-RL scores the decoded prompt + response after its first "Assistant:" (else after
+    "<|im_start|>assistant"); its ChatML prompts contain no "Assistant:", so that equals keeping the text
+    after the first "Assistant:" of the assistant text, if any, which is done here. Never raises on model
+    text; a non-string completion scores -3.
+    """
+    truth = kk_parse_solution(solution_text_format)
+    if not isinstance(completion, str):
+        return KK_FORMAT_ERROR
+    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
+    positions = [text.find(tag) for tag in _KK_TAGS]
+    if any(text.count(tag) != 1 for tag in _KK_TAGS) or positions != sorted(positions):
+        return KK_FORMAT_ERROR
+    answer = text[positions[2] + len("<answer>"):positions[3]]  # the only <answer> block
+    if _kk_role_words(answer) != len(truth):  # an empty answer (Logic-RL checks it first) fails this as well
+        return -1.0
+    predicted = {name: _kk_named_role(name, answer) for name in truth}
+    if None in predicted.values():
+        return -1.0
+    return KK_MAX_REWARD if predicted == truth else -0.5
+
+
+def _kk_role_words(answer: str) -> int:
+    lowered = answer.lower()
+    return lowered.count("knight") + lowered.count("knave")
+
+
+def _kk_named_role(name: str, answer: str) -> str | None:
+    """The role `answer` gives `name` (Logic-RL's pattern, first match), or None."""
+    m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+    return None if m is None else m.group(1).lower()
+
+
+def kk_format_credit(completion, solution_text_format) -> float:
+    """Partial credit in [0, 1] toward an answer Logic-RL's scorer can read: an optional shaping term for the
+    *training* reward (Config.format_reward); kk_reward is unchanged and still judges the run.
+
+    Half for the tags: 1/8 for each of </think>, <answer>, </answer> occurring exactly once, 1/8 for all four
+    tags once and in order. Half for the answer: the share of people named "NAME is a knight|knave" after the
+    first <answer> (up to </answer>), and nothing if it holds more role words than people. Empty tags earn 0.5
+    at most: a tag-only term teaches a small model `<answer> </answer>`, this one leads to naming everyone.
+    Not in the paper or the official code (their 3B model formats its answers without help).
+    """
+    names = list(kk_parse_solution(solution_text_format))
+    if not isinstance(completion, str):
+        return 0.0
+    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
+    once = [text.count(tag) == 1 for tag in _KK_TAGS]
+    positions = [text.find(tag) for tag in _KK_TAGS]
+    credit = sum(once[1:]) / 8 + (all(once) and positions == sorted(positions)) / 8
+    start = text.find("<answer>")
+    answer = "" if start < 0 else text[start + len("<answer>"):].split("</answer>", 1)[0]
+    if _kk_role_words(answer) <= len(names):
+        credit += 0.5 * sum(_kk_named_role(name, answer) is not None for name in names) / len(names)
+    return credit
+
+
+# ====== CLI: python lopti.py {toy,train,eval,plot} [--preset NAME] [--field value ...] ======
+
 
 PRESETS: dict[str, dict] = {
     # a laptop CPU, about 30-40 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, 128-token completions
