@@ -1,14 +1,14 @@
 """lopti.py: GRPO with Advantage Reweighting and Lopti, in one file.
 
-Reference implementation of "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs"
-(Yang et al., ICLR 2026, arXiv 2505.12929). Official code: github.com/zhyang2226/AR-Lopti (verl 0.1).
+Reference implementation of "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs" (Yang et al.,
+ICLR 2026, arXiv 2505.12929). Official code: github.com/zhyang2226/AR-Lopti (a verl 0.1 fork).
 
     python lopti.py toy      # the paper's mechanism on a toy softmax policy, CPU, < 1 minute
-    python lopti.py train    # GRPO (+AR, +Lopti) on Knights-and-Knaves with a Hugging Face causal LM
-    python lopti.py eval     # greedy K&K accuracy of a model
+    python lopti.py train    # GRPO (+AR, +Lopti) on Knights and Knaves with a Hugging Face causal LM
+    python lopti.py eval     # greedy K&K accuracy of a model;  python lopti.py plot RUN_DIR ...  # curves
 
-Sections (grep -n '^# ===' lopti.py): config -> core math -> K&K task -> model I/O and rollout ->
-update (Algorithm 1) -> train loop -> evaluation -> toy experiment -> CLI.
+Sections (grep -n '^# ===' lopti.py), the method first: config -> core math -> the update (Algorithm 1) ->
+toy experiment -> LLM run (rollout, training loop, evaluation) -> TRL -> the K&K task -> CLI.
 """
 from __future__ import annotations
 
@@ -42,20 +42,17 @@ from tqdm.auto import tqdm
 
 @dataclass
 class Config:
-    """Every field is settable as `--field value`; PRESETS change a few for smaller machines.
-    Defaults are the paper's K&K run (Qwen2.5-3B-Instruct, as the official scripts/train_kklogic_*.sh set it);
-    names shared with TRL's GRPOConfig keep TRL's spelling (num_generations, temperature, max_completion_length,
-    epsilon, epsilon_high, beta, ...)."""
+    """Every field is a flag (`--field value`); PRESETS change a few for smaller machines. Defaults are the
+    paper's K&K run (Qwen2.5-3B-Instruct, as the official scripts/train_kklogic_*.sh set it); names shared with
+    TRL's GRPOConfig keep TRL's spelling (num_generations, epsilon, epsilon_high, beta, ...)."""
 
     # --- method
     alpha: float = 0.3
-    """Advantage Reweighting strength, Eq. 4; 0 turns AR off (paper: 0.3 on K&K, 0.2 in its AR-only run,
-    0.1 on math; official name: reweight_k)."""
+    """Advantage Reweighting strength, Eq. 4; 0 is GRPO (paper: 0.3 on K&K, 0.1 on math; official: reweight_k)."""
     lopti: bool = True
     """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
     eta: float = 0.5
-    """Lopti's threshold: tokens with pi_old < eta go in the low pass (paper: 0.5, 0.4 in its Lopti-only run;
-    official name: seperate_prob)."""
+    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official name: seperate_prob)."""
     lopti_order: str = "low_first"
     """'low_first' is the paper's method; 'high_first' is its ablation (worse than GRPO in the paper)."""
     # --- PPO / GRPO update
@@ -95,18 +92,16 @@ class Config:
     generation_batch_size: int = 0
     """Sequences per generate() call in a rollout (0 = all at once); smaller bounds the KV cache's memory."""
     stop_at_answer: bool = False
-    """End each completion at its first '</answer>' (rollout and evaluation), as many K&K reproductions do; the
-    paper's runs generate until EOS."""
+    """End completions at their first '</answer>', as many K&K reproductions do (the paper's end at EOS)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the update's forward passes."""
-    # --- data and schedule
+    # --- task, reward and schedule
+    format_reward: float = 0.0
+    """Weight of kk_format_credit added to the training reward (0 = the paper's reward; metrics stay Logic-RL's)."""
     train_data: str = "generate"
     """'generate' (fresh puzzles), a .jsonl/.parquet file, or a hub dataset (see kk_load)."""
-    format_reward: float = 0.0
-    """Weight of kk_format_credit, partial credit for tags and named roles, added to the training reward
-    (0 = the paper's reward; the cpu preset turns it on so a small model gets a signal). Metrics stay Logic-RL's."""
     num_people: str = "3-7"
-    """Puzzle sizes to generate: 'lo-hi' or one number."""
+    """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
     num_train: int = 4480
     """Generated training puzzles (paper: 70 steps of 64 prompts per data epoch)."""
     steps: int = 350
@@ -122,31 +117,27 @@ class Config:
     save_every: int = 50
     """Checkpoint every this many steps (and always at the end or on Ctrl-C)."""
     output_dir: str = "runs/lopti"
-    """Checkpoints, metrics.jsonl and config.json go here."""
+    """Checkpoints, metrics.jsonl, samples.jsonl and config.json go here."""
     seed: int = 0
     """Seeds data order, sampling and generated puzzles."""
 
-    def __post_init__(self):
+    def __post_init__(self):  # every value is checked here, before anything is loaded
         for f in fields(self):
             value, kind = getattr(self, f.name), {"float": (int, float), "int": int, "bool": bool, "str": str}[f.type]
             if not isinstance(value, kind) or (isinstance(value, bool) and f.type != "bool") or (
                     f.type == "float" and not math.isfinite(value)):
                 raise ValueError(f"{f.name} must be a{' finite' if f.type == 'float' else ''} {f.type}, got {value!r}")
         lo, hi = _people_range(self.num_people)
-        checks = [
+        at_least = {0: ("epsilon", "epsilon_high", "beta", "weight_decay", "format_reward", "generation_batch_size",
+                        "eval_every", "save_every"),
+                    1: ("mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
+                        "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")}
+        checks = [(f, getattr(self, f) >= n, f">= {n}") for n, names in at_least.items() for f in names] + [
             ("num_people", 2 <= lo <= hi <= 8, "'lo-hi' or one number within 2..8, e.g. '3-7'"),
             ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"), ("eta", 0 < self.eta <= 1, "in (0, 1]"),
             ("lopti_order", self.lopti_order in ("low_first", "high_first"), "'low_first' or 'high_first'"),
-            ("epsilon", self.epsilon >= 0, ">= 0"), ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
-            ("dual_clip", self.dual_clip > 1, "> 1"), ("beta", self.beta >= 0, ">= 0"),
-            ("learning_rate", self.learning_rate > 0, "> 0"), ("temperature", self.temperature > 0, "> 0"),
-            ("max_grad_norm", self.max_grad_norm > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
-            ("format_reward", self.format_reward >= 0, ">= 0"),
-        ] + [(f, getattr(self, f) >= 1, ">= 1") for f in (
-            "mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
-            "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")
-        ] + [(f, getattr(self, f) >= 0, ">= 0 (0 = off)") for f in (
-            "generation_batch_size", "eval_every", "save_every")]
+            ("dual_clip", self.dual_clip > 1, "> 1"), ("learning_rate", self.learning_rate > 0, "> 0"),
+            ("temperature", self.temperature > 0, "> 0"), ("max_grad_norm", self.max_grad_norm > 0, "> 0")]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -169,6 +160,14 @@ def _check_same_shape(**tensors: torch.Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
     if len(set(shapes.values())) > 1:
         raise ValueError(f"shape mismatch: {shapes}; these tensors must all be (B, T)")
+
+
+def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) or (B, T) advantages as a float (B, T) view for (B, T) per-token tensors like `like`."""
+    adv = advantages.float().unsqueeze(-1) if advantages.dim() == 1 else advantages.float()  # (B, 1) or (B, T)
+    if adv.dim() != 2 or adv.shape[0] != like.shape[0] or adv.shape[1] not in (1, like.shape[1]):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) for (B, T) = {tuple(like.shape)}")
+    return adv.expand(like.shape)  # (B, T)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -204,9 +203,8 @@ def _logprobs_fp32(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(dim=-1)  # (n,)
 
 
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_elems: int = 2**24
-) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   chunk_elems: int = 2**24) -> torch.Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t], in float32, for logits (B, T, V) and tokens (B, T).
 
     Every log-prob (current, old, reference) uses the sampling temperature T, as the official actor does: scoring
@@ -243,14 +241,8 @@ def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, al
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    adv = advantages.float()
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(-1)  # (B, 1)
-    if adv.dim() != 2 or adv.shape[0] != old_logprobs.shape[0] or adv.shape[1] not in (1, old_logprobs.shape[1]):
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) for old_logprobs (B, T) "
-                         f"= {tuple(old_logprobs.shape)}")
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
-    return (alpha * pi_old + 1.0 - alpha) * adv  # (B, T)
+    return (alpha * pi_old + 1.0 - alpha) * _token_advantages(advantages, old_logprobs)  # (B, T)
 
 
 def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,20 +261,10 @@ def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> t
     return low, mask & ~low
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    epsilon: float = 0.2,
-    epsilon_high: float = 0.24,
-    dual_clip: float = 10.0,
-    ref_logprobs: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_mask: torch.Tensor | None = None,
-    num_tokens: int | float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                epsilon: float = 0.2, epsilon_high: float = 0.24, dual_clip: float = 10.0,
+                ref_logprobs: torch.Tensor | None = None, beta: float = 0.0, kl_mask: torch.Tensor | None = None,
+                num_tokens: int | float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official: core_algos.py):
 
         ratio = exp(logp - old_logp)
@@ -307,12 +289,7 @@ def policy_loss(
         raise ValueError("beta > 0 needs ref_logprobs")
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs,
                       kl_mask=kl_mask)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)  # (B, 1)
-    if advantages.dim() != 2 or advantages.shape[0] != logprobs.shape[0] or advantages.shape[1] not in (
-        1, logprobs.shape[1]):
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) for logprobs "
-                         f"{tuple(logprobs.shape)}")
+    adv = _token_advantages(advantages, logprobs)  # (B, T)
     logprobs, old_logprobs = logprobs.float(), old_logprobs.float()  # the ratio is sensitive: fp32
     mask = mask.bool()
     kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # never on padding
@@ -321,7 +298,6 @@ def policy_loss(
     if not 0 <= float(num_tokens) < math.inf:
         raise ValueError(f"num_tokens must be finite and >= 0, got {float(num_tokens)}")
     denom = max(float(num_tokens), 1.0)
-    adv = advantages.float().expand_as(logprobs)  # (B, T)
 
     # Padding may hold -inf or garbage log-probs: zero the log-ratio there before exp (no NaN gradients). The
     # clamp to [-20, 20] is upstream verl's (the official fork has none): past ~88.7 exp() overflows and the
@@ -363,12 +339,8 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
                              weight_decay=cfg.weight_decay)
 
 
-def update_policy(
-    cfg: Config,
-    logprob_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-) -> dict[str, float]:
+def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                  optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """One RL step's update on a rollout batch: Advantage Reweighting (Eq. 4), then one GRPO pass or,
     with `cfg.lopti`, Lopti's two complete passes (Algorithm 1).
 
@@ -398,7 +370,7 @@ def update_policy(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     has_adv = (batch["advantages"] != 0).view(B, -1).any(1, keepdim=True)  # (B, 1) before AR: pi_old unread if 0
     used = mask & (has_adv | (cfg.beta > 0))  # (B, T) tokens of the rows that take part in the update
-    weight = cfg.alpha * batch["old_logprobs"].float().exp() + 1 - cfg.alpha  # (B, T), Eq. 4's factor
+    weight = reweight_advantages(torch.ones(B), batch["old_logprobs"], cfg.alpha)  # (B, T), Eq. 4's factor
     out = {"ar_weight": float(weight[used].mean()) if used.any() else None}
     for name, stage_mask in stages:
         t0 = time.perf_counter()
@@ -825,47 +797,21 @@ def toy_checks(r: dict) -> list[dict]:
     return checks
 
 
-def print_toy_table(r: dict) -> None:
-    """The toy's numbers beside the paper's (Figures 1 and 3), as plain-text tables."""
-    fmt = lambda xs: "  ".join("     n/a" if x is None else f"{x:8.3f}" for x in xs)  # noqa: E731
-    bins = "  ".join(f"{b:>8}" for b in TOY_BIN_NAMES)
-    print("1. Prop. 4.2 bound: ||grad_z log pi_j|| / (1 - pi_j) in [sqrt(N/(N-1)), sqrt(2)]")
-    for name, b in r["bound"].items():
-        print(f"   {name:14s} tokens {b['tokens']:5d} (unresolved {b['unresolved']})  ratio {b['ratio_min']:.4f}"
-              f"..{b['ratio_max']:.4f}  bounds {b['bound_lo']:.4f}..{b['bound_hi']:.4f}  violations {b['violations']}")
-    f1 = r["fig1"]
-    print(f"2. Figure 1, {len(f1['count_per_batch'])} GRPO batches (mean; std in results.json)\n   {'':26s}{bins}")
-    rows = [("token share", f1["share"]["mean"]), ("  paper", TOY_PAPER["share"]),
-            ("grad norm / all tokens'", f1["grad_norm_rel"]["mean"]), ("  paper", TOY_PAPER["grad_norm_rel"])]
-    rows += [(f"|dpi| update {k}", v["mean"]) for k, v in f1["dpi"].items()]
-    for name, xs in rows:
-        print(f"   {name:26s}{fmt(xs)}")
-    print(f"   grad norm, all tokens: {f1['grad_norm_all']['mean']:.4f} (paper 0.82, its own units)")
-    print(f"3. Figure 3: share of A > 0 tokens whose probability rose\n   {'':26s}{bins}")
-    for m, xs in TOY_PAPER["correct_dir"].items():
-        print(f"   {'paper ' + m:31s}{fmt(xs)}")
-    for o, step in (("sgd", "gradient step"), ("adamw", "the run's AdamW")):
-        for m, v in r["fig3"][f"toy_{o}"].items():
-            print(f"   {m + ', ' + step:31s}{fmt(v['mean'])}")
-    L = r["learning"]
-    print(f"4. Learning, {r['settings']['seeds']} seeds x {r['settings']['steps']} steps; warm-start reward "
-          f"{r['warm_start']['reward']:.3f}, threshold {L['threshold']:.3f}")
-    for m, v in L["methods"].items():
-        f = v["final_stats"]
-        print(f"   {m:14s} final {f['mean']:.4f} +- {f['std']:.4f}   steps to threshold {v['steps_to_threshold']}")
-    print("Checks:")
-    for c in r["checks"]:
-        spread = f"   {c['evidence']}{'' if c['clear'] else ', within noise'}" if "evidence" in c else ""
-        print(f"   [{'yes' if c['reproduced'] else 'NO '}] {c['claim']}{spread}")
-
-
-def plot_toy(r: dict, path: Path) -> None:
-    """toy.png: the bound, Fig. 1's gradient norms, Fig. 3's ratios and the reward curves."""
+def _pyplot():
+    """matplotlib.pyplot without a display, or None: matplotlib is optional."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_toy(r: dict, path: Path) -> None:
+    """toy.png: the bound, Fig. 1's gradient norms, Fig. 3's ratios and the reward curves."""
+    plt = _pyplot()
+    if plt is None:
         print("matplotlib is not installed: no toy.png (results.json is complete without it)")
         return
     fig, ax = plt.subplots(1, 4, figsize=(18, 4))
@@ -898,7 +844,7 @@ def plot_toy(r: dict, path: Path) -> None:
 
 
 def toy_main(args: argparse.Namespace) -> dict:
-    """`python lopti.py toy`: run the toy, print the tables, write results.json (and toy.png). Only the default
+    """`python lopti.py toy`: run the toy, print the checks, write results.json (and toy.png). Only the default
     run writes to toy/ (the README's figure); any other run goes to runs/toy/ unless --out says otherwise."""
     quick = dict(steps=8, seeds=2, measured_batches=2, measure_after=1) if args.quick else {}
     s = ToySettings(**{**dict(seed=args.seed, alpha=args.alpha, eta=args.eta), **quick,
@@ -913,7 +859,9 @@ def toy_main(args: argparse.Namespace) -> dict:
         torch.set_num_threads(threads)
     results["settings"]["quick"] = args.quick
     results["checks"] = toy_checks(results)
-    print_toy_table(results)
+    for c in results["checks"]:  # every number is in results.json; the README puts them beside the paper's
+        spread = f"   {c['evidence']}{'' if c['clear'] else ', within noise'}" if "evidence" in c else ""
+        print(f"[{'yes' if c['reproduced'] else 'NO '}] {c['claim']}{spread}")
     out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "results.json", json.dumps(results, indent=1) + "\n")
     plot_toy(results, out / "toy.png")
@@ -921,7 +869,10 @@ def toy_main(args: argparse.Namespace) -> dict:
     return results
 
 
-# ====== LLM run: model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old) ======
+# ====== LLM run: a Hugging Face causal LM on K&K, rollout -> reward -> advantage -> pi_old -> update ======
+
+
+# --- model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old)
 
 
 def pick_device() -> torch.device:
@@ -1167,7 +1118,7 @@ def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows
     return torch.cat(out)  # (b, C) float32
 
 
-# ====== LLM run: the training loop (rollout -> reward -> advantage -> pi_old -> update), checkpoints ======
+# --- the training loop, checkpoints and resume
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
@@ -1394,7 +1345,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# ====== LLM run: evaluation (greedy accuracy per number of people, as in the paper's K&K table) and plots ======
+# --- evaluation (greedy accuracy per number of people, as in the paper's K&K table) and plots
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
@@ -1425,12 +1376,9 @@ def evaluate_model(cfg: Config) -> dict[str, float]:
 def plot_runs(runs: list[Path], out: Path) -> Path:
     """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
     line per run (5-step running mean over the raw values), labelled by method and seed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("plot needs matplotlib: pip install matplotlib") from None
+    plt = _pyplot()
+    if plt is None:
+        raise ImportError("plot needs matplotlib: pip install matplotlib")
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
               ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))

@@ -67,3 +67,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), arch="gpt2")
+
+
+def tiny_config(model_dir, out_dir, **overrides):
+    """A Config for two quick RL steps of a tiny model (2 prompts x 4 samples, 12 tokens)."""
+    from lopti import Config
+
+    base = dict(model=str(model_dir), output_dir=str(out_dir), prompts_per_step=2, num_generations=4,
+                max_completion_length=12, mini_batch_size=4, micro_batch_size=2, steps=2, num_train=16,
+                num_people="3", eval_size=2, eval_every=0, eval_batch_size=4, save_every=1, learning_rate=1e-3,
+                weight_decay=0.0)
+    return Config(**{**base, **overrides})
+
+
+def varied_reward(text: str, solution: str) -> float:
+    """A stand-in reward with variance inside groups (a random tiny model always scores -3 on K&K)."""
+    return float(sum(map(ord, text)) % 5)

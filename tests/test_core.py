@@ -192,7 +192,8 @@ def test_policy_loss_gradient_is_finite_wherever_the_loss_is(gap):
     """exp(log pi - log pi_old) overflows past ~88.7; the clamped log-ratio (upstream verl's [-20, 20]) keeps the
     gradient finite, for positive and negative advantages."""
     logp = torch.tensor([[gap, -gap, 0.0, gap]], requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, -1.0]]), torch.ones(1, 4, dtype=torch.bool))
+    adv, mask = torch.tensor([[1.0, -1.0, 1.0, -1.0]]), torch.ones(1, 4, dtype=torch.bool)
+    loss, _ = policy_loss(logp, torch.zeros(1, 4), adv, mask)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 

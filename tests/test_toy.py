@@ -104,7 +104,6 @@ def test_only_the_default_run_writes_toy_folder(monkeypatch, tmp_path):
     written = []
     monkeypatch.setattr(lopti, "run_toy", lambda s: written.append(s) or {"settings": {}})
     monkeypatch.setattr(lopti, "toy_checks", lambda r: [])
-    monkeypatch.setattr(lopti, "print_toy_table", lambda r: None)
     monkeypatch.setattr(lopti, "plot_toy", lambda r, path: written.append(path))
     lopti.toy_main(parse("--quick"))
     lopti.toy_main(parse("--seed", "3"))

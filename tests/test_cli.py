@@ -1,0 +1,175 @@
+"""The command line (lopti.py's "CLI" section) and the README: presets and --field parsing, one-line errors and
+exit codes, --help per command, Ctrl-C, and every Python block of the README run as written."""
+import dataclasses
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import lopti
+from conftest import tiny_config, varied_reward
+from lopti import Config
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
+README_BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+
+def train_args(argv: list[str]) -> dict:
+    """What `python lopti.py train ARGV` parses, as resolve_config takes it."""
+    return vars(lopti.build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--alpha", "1.5"], "alpha"), (["--eta", "0"], "eta"), (["--lopti_order", "sideways"], "lopti_order"),
+    (["--micro_batch_size", "0"], "micro_batch_size"), (["--dual_clip", "1"], "dual_clip"),
+    (["--max_grad_norm", "-1"], "max_grad_norm"), (["--weight_decay", "-0.1"], "weight_decay"),
+    (["--steps", "0"], "steps"), (["--save_every", "-1"], "save_every"),
+    (["--generation_batch_size", "-2"], "generation_batch_size")])
+def test_bad_config_values(argv, match):
+    with pytest.raises(ValueError, match=match):
+        lopti.resolve_config(train_args(argv))
+
+
+def test_config_precedence_and_bool_parsing():
+    parse = lambda argv: lopti.resolve_config(train_args(argv))  # noqa: E731
+    assert parse([]) == Config()
+    cfg = parse(["--preset", "cpu", "--num-generations", "2", "--lopti", "false"])
+    assert cfg.model == lopti.PRESETS["cpu"]["model"] and cfg.num_generations == 2 and cfg.lopti is False
+    with pytest.raises(SystemExit):
+        parse(["--lopti", "maybe"])
+
+
+def test_resume_with_a_config_from_another_version_names_the_unknown_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**dataclasses.asdict(Config()), "warp_factor": 9}))
+    with pytest.raises(ValueError, match="warp_factor"):
+        lopti.resolve_config(train_args(["--resume", "--output_dir", str(tmp_path)]))
+
+
+def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    straight = lopti.train(tiny_config(tiny_model_dir, tmp_path / "a", steps=3))
+    lopti.train(tiny_config(tiny_model_dir, tmp_path / "b", steps=2))
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a crash after step 3's log line, mid-write
+        f.write(json.dumps({"step": 3, "reward": 99.0}) + "\n" + '{"step": 4, "rew')
+    args = train_args(["--resume", "--output_dir", str(tmp_path / "b"), "--steps", "3"])
+    cfg = lopti.resolve_config(args)
+    assert cfg.model == str(tiny_model_dir) and cfg.steps == 3  # the saved config, with the explicit override
+    resumed = lopti.train(cfg, resume=True)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # (the torn line and step 3 written before the "crash" are dropped on resume)
+    a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, resumed))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    last = [json.loads((tmp_path / p / "metrics.jsonl").read_text().splitlines()[-1]) for p in "ab"]
+    assert last[0]["reward"] == last[1]["reward"]
+
+
+def test_cli_train_and_eval(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    out = tmp_path / "run"
+    lopti.main(["train", "--model", str(tiny_model_dir), "--output-dir", str(out), "--steps", "1",
+                "--prompts-per-step", "2", "--num-generations", "2", "--mini-batch-size", "4", "--num-train", "8",
+                "--max-completion-length", "4", "--num-people", "3", "--eval-size", "2", "--lopti", "false"])
+    assert json.loads((out / "config.json").read_text())["lopti"] is False
+    assert (out / "checkpoint" / "trainer_state.pt").exists()
+    monkeypatch.setattr(lopti, "kk_reward", lambda text, sol: 3.0)
+    capsys.readouterr()
+    data = Path(__file__).parent / "data" / "kk" / "4ppl_20.jsonl"
+    lopti.main(["eval", "--model", str(out / "checkpoint"), "--eval-data", str(data), "--max-completion-length", "2"])
+    assert json.loads(capsys.readouterr().out) == {"eval/accuracy_4ppl": 1.0, "eval/reward_4ppl": 3.0,
+                                                  "eval/accuracy": 1.0}
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    real_step = lopti.train_step
+
+    def interrupted_step(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # as if the user pressed Ctrl-C during the step
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(lopti, "train_step", interrupted_step)
+    monkeypatch.setattr(lopti, "evaluate", lambda *a: pytest.fail("Ctrl-C saves without evaluating"))
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", steps=5, save_every=0)
+    with pytest.raises(KeyboardInterrupt, match="after step 1"):
+        lopti.train(cfg)
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 1
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+    # from the command line: one line, exit code 130, and --resume continues at step 2
+    argv = ["train", "--resume", "--output_dir", str(cfg.output_dir), "--steps", "3"]
+    assert lopti.main(argv) == 130
+    assert "--resume" in capsys.readouterr().err.splitlines()[-1]
+    monkeypatch.setattr(lopti, "train_step", real_step)
+    monkeypatch.undo()
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    assert lopti.main(argv) == 0
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("argv", [[], ["fly"], ["train", "--num_generation", "3"], ["train", "--lopti", "maybe"],
+                                  ["eval", "--alpha", "0.1"], ["plot"]])
+def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
+    """No command, an unknown one, an abbreviated option, a bad value, another command's option, no run folder."""
+    with pytest.raises(SystemExit) as exit_:
+        lopti.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "error" in err, err
+
+
+@pytest.mark.parametrize("command", ["", "toy", "train", "eval", "plot"])
+def test_help_exits_0_and_lists_only_the_commands_options(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lopti.main([command, "--help"] if command else ["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "usage: lopti.py" in out
+    assert ("--alpha" in out) == (command in ("train", "toy"))
+    assert ("--eval-data" in out) == (command in ("train", "eval"))
+    assert ("--resume" in out) == (command == "train") and ("--quick" in out) == (command == "toy")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["train", "--learning_rate", "-1e-6"], "learning_rate must be > 0, got -1e-06"),
+    (["train", "--learning_rate", "inf"], "learning_rate must be a finite float"),
+    (["train", "--weight_decay", "nan"], "weight_decay must be a finite float"),
+    (["train", "--beta", "inf"], "beta must be a finite float"),
+    (["train", "--num_people", "3-9"], "num_people"),
+    (["train", "--model", "./no/such/folder"], "no model folder"),
+    (["eval", "--model", "./no/such/folder"], "no model folder"),
+    (["eval", "--model", "no-such-org/no-such-model", "--eval_data", "missing.jsonl"], "no such file"),
+    (["train", "--resume", "--output_dir", "no/such/run"], "config.json not found")])
+def test_user_errors_are_one_line_before_any_model_loads(argv, match, capsys, monkeypatch):
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
+    assert lopti.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err, err
+
+
+def test_output_dir_that_is_a_file_fails_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
+    (tmp_path / "f").write_text("")
+    assert lopti.main(["train", "--output_dir", str(tmp_path / "f"), "--model", str(tmp_path)]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(FileNotFoundError):
+        lopti.main(["eval", "--model", "./no/such/folder", "--debug"])
+
+
+def test_readme_has_python_blocks():
+    assert len(README_BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("i", range(len(README_BLOCKS)))
+def test_readme_block_runs_as_written(i, monkeypatch):
+    monkeypatch.chdir(ROOT)  # (it reads tests/data/kk)
+    exec(compile(README_BLOCKS[i], f"README.md block {i}", "exec"), {"__name__": "readme"})

@@ -1,0 +1,381 @@
+"""The LLM run (lopti.py's "LLM run" sections) on tiny random models made in conftest.py (no download): masks
+and log-probs, the shared prompt, rollout, the training loop, checkpoints and resume, evaluation and plots."""
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import lopti
+from conftest import tiny_config, varied_reward
+from lopti import Config
+
+CPU = torch.device("cpu")
+
+
+
+def test_completion_mask_golden_with_pad_equal_to_eos_and_two_eos_ids():
+    completions = torch.tensor([[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6], [3, 5, 2, 3, 3]])
+    mask, truncated = lopti.completion_mask(completions, [2, 3])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("arch", ["tiny_model_dir", "tiny_gpt2_dir"])
+def test_left_padded_batch_logprobs_equal_each_row_alone(arch, request):
+    path = request.getfixturevalue(arch)
+    model, tok = lopti.load_model(str(path), CPU).eval(), lopti.load_tokenizer(str(path))
+    prompts = ["Who is a knight?", "A very special island is inhabited only by knights and knaves. Zoey said"]
+    g = torch.Generator().manual_seed(0)
+    completions = torch.randint(3, len(tok), (2, 6), generator=g)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert (enc["attention_mask"][0] == 0).any()  # row 0 really is left-padded
+    input_ids = torch.cat([enc["input_ids"], completions], 1)
+    attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], 1)
+    with torch.no_grad():
+        batched = lopti.sequence_logprobs(model, input_ids, attention_mask, 6, 0.7)
+        for i, prompt in enumerate(prompts):
+            ids = torch.cat([tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"],
+                             completions[i : i + 1]], 1)
+            alone = lopti.sequence_logprobs(model, ids, torch.ones_like(ids), 6, 0.7)
+            torch.testing.assert_close(batched[i : i + 1], alone, atol=1e-5, rtol=1e-5)
+        if arch == "tiny_gpt2_dir":  # without position ids an absolute-position model scores row 0 wrongly
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
+            naive = lopti.token_logprobs(logits, completions, 0.7)
+            assert not torch.allclose(naive[0], batched[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["tiny_model_dir", "tiny_gpt2_dir"])
+def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_one_forward_per_row(arch, request):
+    """Rows of a group share their prompt: its KV cache is computed once and indexed for every row. The log-probs
+    and the gradient equal those of one full forward per row (left padding and absolute positions included)."""
+    path = request.getfixturevalue(arch)
+    model, tok = lopti.load_model(str(path), CPU).train(), lopti.load_tokenizer(str(path))
+    enc = tok(["Who is a knight?", "A very special island. Zoey said"], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    ids, att = enc["input_ids"].repeat_interleave(3, 0), enc["attention_mask"].repeat_interleave(3, 0)  # 2 groups
+    completions = torch.randint(3, len(tok), (6, 5), generator=torch.Generator().manual_seed(0))
+    input_ids, attention_mask = torch.cat([ids, completions], 1), torch.cat([att, torch.ones_like(completions)], 1)
+    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for rows in ([slice(None)], [slice(i, i + 1) for i in range(6)]):  # shared, then each row alone
+        model.zero_grad()
+        lp = torch.cat([lopti.sequence_logprobs(model, input_ids[r], attention_mask[r], 5, 0.7) for r in rows])
+        (lp * weights).sum().backward()
+        grads.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    for shared, alone in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(shared, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_rollout_and_pi_old_equals_first_update_logprobs(tiny_model_dir):
+    """Ratio 1 before any step: pi_old (eval mode, no grad) equals the update's first log-probs (train mode)."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=10, micro_batch_size=3)
+    torch.manual_seed(0)
+    batch = lopti.rollout(model, tok, ["<|im_start|>user\nhi", "Zoey is a"] * 3, cfg, CPU)
+    B, C = batch["mask"].shape
+    assert B == 6 and C <= 10 and len(batch["texts"]) == 6
+    old = lopti.batched_logprobs(model, batch, cfg, CPU)
+    model.train()
+    new = lopti.sequence_logprobs(model, batch["input_ids"][:2], batch["attention_mask"][:2], C, cfg.temperature)
+    assert new.requires_grad
+    torch.testing.assert_close(new.detach(), old[:2], atol=1e-5, rtol=0)
+    # the mask ends at the first EOS; rows that never stop are flagged as truncated
+    eos = torch.tensor(lopti.eos_token_ids(model, tok))
+    completions = batch["input_ids"][:, -C:]
+    for row, m, trunc in zip(completions, batch["mask"], batch["truncated"]):
+        kept = row[m]
+        assert bool(trunc) == (not torch.isin(kept, eos).any())
+        if not trunc:
+            assert torch.isin(kept[-1:], eos).all() and not torch.isin(kept[:-1], eos).any()
+
+
+def test_sampling_ignores_the_models_generation_config(tiny_model_dir):
+    """pi_old must be the distribution sampled from: the model's own top_k / repetition penalty are off."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    model.generation_config.top_k = 1  # would make sampling greedy
+    model.generation_config.repetition_penalty = 5.0
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=8, temperature=1.0)
+    torch.manual_seed(0)
+    batch = lopti.rollout(model, tok, ["Zoey is a"] * 8, cfg, CPU)
+    assert len({tuple(r.tolist()) for r in batch["input_ids"]}) > 1  # top_k = 1 would give 8 equal rows
+
+
+def test_sampling_ignores_a_saved_generation_config_at_library_defaults(tiny_model_dir, tmp_path):
+    """transformers 4.50-4.57 replace fields passed at their library default (do_sample=False, top_p=1.0,
+    repetition_penalty=1.0) by the model's saved values; greedy must stay greedy and sampling plain."""
+    model = lopti.load_model(str(tiny_model_dir), CPU)
+    model.generation_config.update(do_sample=True, top_p=0.01, repetition_penalty=5.0, temperature=0.3)
+    model.save_pretrained(tmp_path)  # a checkpoint written by transformers itself, as lopti's are
+    lopti.load_tokenizer(str(tiny_model_dir)).save_pretrained(tmp_path)
+    model, tok = lopti.load_model(str(tmp_path), CPU), lopti.load_tokenizer(str(tmp_path))
+    cfg = Config(model=str(tmp_path), max_completion_length=6, temperature=1.0)
+    prompts = ["Zoey is a", "knave"]
+    greedy = lopti.rollout(model, tok, prompts, cfg, CPU, greedy=True)
+    C = greedy["mask"].shape[1]
+    ids, attn = greedy["input_ids"][:, :-C], greedy["attention_mask"][:, :-C]  # the left-padded prompts
+    with torch.no_grad():  # argmax decoding by hand, without a KV cache
+        for _ in range(C):
+            pos = (attn.cumsum(-1) - 1).clamp_min(0)
+            nxt = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1].argmax(-1)  # (B,)
+            ids, attn = torch.cat([ids, nxt[:, None]], 1), torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+    m = greedy["mask"]  # compare up to and including each row's first EOS
+    assert torch.equal(torch.where(m, ids[:, -C:], -1), torch.where(m, greedy["input_ids"][:, -C:], -1))
+    torch.manual_seed(0)
+    sampled = lopti.rollout(model, tok, ["Zoey is a"] * 8, cfg, CPU)
+    assert len({tuple(r.tolist()) for r in sampled["input_ids"]}) > 1  # top_p 0.01 would give 8 equal rows
+    assert model.generation_config.top_p == 0.01  # the model's own config is restored
+
+
+def test_rollout_in_generation_chunks_equals_one_batch(tiny_model_dir):
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    prompts = ["Zoey is a", "knave", "If Jack is a knight then", "Ella"]
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=10)
+    whole = lopti.rollout(model, tok, prompts, cfg, CPU, greedy=True)
+    chunked = lopti.rollout(model, tok, prompts, dataclasses.replace(cfg, generation_batch_size=3), CPU, greedy=True)
+    C = whole["mask"].shape[1]
+    assert chunked["mask"].shape[1] == C and torch.equal(chunked["mask"], whole["mask"])
+    assert torch.equal(torch.where(chunked["mask"], chunked["input_ids"][:, -C:], 0),
+                       torch.where(whole["mask"], whole["input_ids"][:, -C:], 0))
+    assert chunked["texts"] == whole["texts"]
+
+
+def test_rollout_runs_a_groups_prompt_once_and_samples_the_same(tiny_model_dir, monkeypatch):
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=8)
+    prompts = ["Zoey is a", "If Jack is a knight then"]
+    alone = lopti.rollout(model, tok, prompts, cfg, CPU, greedy=True)
+    calls = []
+    real_prefix = lopti.prefix_cache
+    monkeypatch.setattr(lopti, "prefix_cache", lambda m, ids, att: calls.append(len(ids)) or real_prefix(m, ids, att))
+    grouped = lopti.rollout(model, tok, [p for p in prompts for _ in range(3)], cfg, CPU, greedy=True)
+    assert calls == [6]  # one prefill for the 6 rows, of their 2 distinct prompts (prefix_cache dedups them)
+    assert [grouped["texts"][i] for i in (0, 3)] == alone["texts"]
+    assert grouped["texts"][0] == grouped["texts"][2] and grouped["texts"][3] == grouped["texts"][5]
+
+
+def test_cut_at_ends_the_mask_at_the_token_that_completes_the_stop_text(tiny_model_dir):
+    tok = lopti.load_tokenizer(str(tiny_model_dir))
+    texts = ["<think> r </think><answer> Zoey is a knight </answer> and then more", "no answer here",
+             "split </ans" + "wer> x"]
+    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    C = max(map(len, rows)) + 2
+    completions = torch.tensor([r + [tok.pad_token_id] * (C - len(r)) for r in rows])  # (3, C)
+    mask = torch.arange(C) < torch.tensor([len(r) for r in rows])[:, None]
+    cut, stopped = lopti.cut_at(tok, completions, mask, "</answer>")
+    assert stopped.tolist() == [True, False, True]
+    kept = tok.batch_decode(torch.where(cut, completions, tok.pad_token_id), skip_special_tokens=True)
+    assert kept[0].endswith("</answer>") and "more" not in kept[0]
+    assert kept[1] == texts[1] and torch.equal(cut[1], mask[1])
+    assert "</answer>" in kept[2] and kept[2].endswith(tok.decode(completions[2, int(cut[2].sum()) - 1]))
+    # the token that completes "</answer>" is kept, the one before it is not enough
+    n = int(cut[0].sum())
+    assert "</answer>" not in tok.decode(completions[0, : n - 1]) and "</answer>" in tok.decode(completions[0, :n])
+
+
+def test_stop_at_answer_in_rollout(tiny_model_dir, monkeypatch):
+    """generate stops at '</answer>' (stop_strings) and pads; with pad == EOS the mask must still end at the stop."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    answer = tok("<answer> Zoey is a knight </answer>", add_special_tokens=False)["input_ids"]
+    seen = {}
+
+    def fake_generate(input_ids, attention_mask, generation_config, tokenizer, **kw):
+        seen["stop"] = generation_config.stop_strings
+        body = torch.tensor(answer + [tok.pad_token_id] * 3).expand(len(input_ids), -1)
+        return torch.cat([input_ids, body], 1)
+
+    monkeypatch.setattr(model, "generate", fake_generate)
+    monkeypatch.setattr(tok, "pad_token_id", lopti.eos_token_ids(model, tok)[0])  # pad == EOS, as in SmolLM2
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=len(answer) + 3, stop_at_answer=True)
+    batch = lopti.rollout(model, tok, ["Zoey is a"], cfg, CPU)
+    assert seen["stop"] == ["</answer>"] and batch["mask"].sum() == len(answer) and not batch["truncated"].any()
+    assert batch["texts"][0].endswith("</answer>")
+    batch = lopti.rollout(model, tok, ["Zoey is a"], dataclasses.replace(cfg, stop_at_answer=False), CPU)
+    assert seen["stop"] is None and batch["mask"].sum() == len(answer) + 1  # the first pad reads as an EOS
+
+
+def test_missing_model_messages(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        lopti.load_model(str(tmp_path / "nope"), CPU)
+    with pytest.raises(OSError, match="not reachable"):  # HF_HUB_OFFLINE=1: fails at once
+        lopti.load_model("no-such-org/no-such-model", CPU)
+
+
+def _documented_metric_keys(lopti_on: bool) -> set[str]:
+    """The keys in the README's metrics table; `{stage}` expands to the passes of the run."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("## Logged metrics", 1)[1].split("\n## ", 1)[0]
+    keys = set()
+    for key in re.findall(r"^\| `([^`]+)` \|", table, flags=re.M):
+        for stage in (("low", "high") if lopti_on else ("all",)):
+            keys.add(key.replace("{stage}", stage))
+    return {k for k in keys if not k.startswith("eval/") or "{n}" not in k}
+
+
+@pytest.mark.parametrize("alpha,lopti_on", [(0.3, True), (0.0, False)])
+def test_train_two_steps(tiny_model_dir, tmp_path, monkeypatch, alpha, lopti_on):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", alpha=alpha, lopti=lopti_on, beta=0.01)
+    before = lopti.load_model(str(tiny_model_dir), CPU).state_dict()
+    ckpt = lopti.train(cfg)
+    after = lopti.load_model(str(ckpt), CPU).state_dict()  # the checkpoint reloads
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    documented = _documented_metric_keys(lopti_on)
+    assert documented and documented <= set(lines[-1]), documented - set(lines[-1])
+    assert all(math_finite(v) for line in lines for v in line.values())
+    assert "eval/accuracy_3ppl" in lines[-1]  # evaluation at the end
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 2
+
+
+def math_finite(v) -> bool:
+    return v == v and v not in (float("inf"), float("-inf"))
+
+
+def test_pi_old_is_computed_only_for_rows_with_an_advantage(tiny_model_dir, monkeypatch):
+    """beta = 0: rows of a group whose rewards are all equal have no gradient; neither pi_old nor the update
+    computes them."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    rows = lopti.kk_generate(3, 3, seed=0)
+    solution_of_group_1 = rows["solution_text_format"][1]
+    monkeypatch.setattr(lopti, "kk_reward",
+                        lambda text, sol: float(len(text) % 3) if sol == solution_of_group_1 else -3.0)
+    computed = []
+    real = lopti.batched_logprobs
+    monkeypatch.setattr(lopti, "batched_logprobs", lambda *a: computed.append(a[-1].tolist()) or real(*a))
+    cfg = Config(model=str(tiny_model_dir), beta=0.0, lopti=False, num_generations=4, prompts_per_step=3,
+                 mini_batch_size=12, micro_batch_size=4, max_completion_length=6, temperature=1.0)
+    torch.manual_seed(0)
+    m = lopti.train_step(cfg, model, None, tok, lopti.make_optimizer(model, cfg), rows, CPU)
+    assert m["zero_std_groups"] == pytest.approx(2 / 3, abs=1e-6) and m["all/rows"] <= 4 / 12 + 1e-6
+    assert computed and all(not any(r[:4]) and not any(r[8:]) for r in computed)
+
+
+def test_metrics_are_strict_json(tmp_path):
+    lopti.append_jsonl(tmp_path / "m.jsonl", {"step": 1, "a": float("nan"), "b": float("inf"), "c": None, "d": 0.5})
+    line = (tmp_path / "m.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}")) == {
+        "step": 1, "a": None, "b": None, "c": None, "d": 0.5}
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(tiny_model_dir, tmp_path, monkeypatch):
+    """A crash (here an error standing in for kill -9) after step 2 was logged but before any checkpoint: --resume
+    starts over from step 1, and no step is logged twice."""
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    real_step = lopti.train_step
+    done = []
+
+    def crashing_step(*a, **k):
+        if len(done) == 2:
+            raise SystemExit("killed")
+        done.append(1)
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(lopti, "train_step", crashing_step)
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", steps=3, save_every=0)
+    with pytest.raises(SystemExit):
+        lopti.train(cfg)
+    assert lopti.latest_checkpoint(cfg.output_dir) is None
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(FileExistsError, match="--resume"):
+        lopti.train(cfg)  # a fresh start does not overwrite the run
+    monkeypatch.setattr(lopti, "train_step", real_step)
+    assert lopti.main(["train", "--resume", "--output_dir", str(cfg.output_dir)]) == 0
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    straight = lopti.train(tiny_config(tiny_model_dir, tmp_path / "straight", steps=3, save_every=0))
+    a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, tmp_path / "run" / "checkpoint"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same run as one that was never interrupted
+
+
+def test_resume_never_unpickles_code(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    ckpt = lopti.train(tiny_config(tiny_model_dir, tmp_path / "run", steps=1))
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    torch.save({**state, "evil": Payload()}, ckpt / "trainer_state.pt")
+    with pytest.raises(Exception, match="[Ww]eights"):
+        lopti.train(dataclasses.replace(tiny_config(tiny_model_dir, tmp_path / "run"), steps=2), resume=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run")
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    opt = torch.optim.AdamW(model.parameters())
+    lopti.save_checkpoint(cfg, model, tok, opt, step=1)
+
+    def crash(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tok, "save_pretrained", crash)
+    with pytest.raises(RuntimeError):
+        lopti.save_checkpoint(cfg, model, tok, opt, step=2)
+    latest = lopti.latest_checkpoint(cfg.output_dir)
+    assert torch.load(latest / "trainer_state.pt", weights_only=True)["step"] == 1
+    lopti.load_model(str(latest), CPU)
+    # a crash between the two renames: only checkpoint.old is complete, and it is found and restored
+    (tmp_path / "run" / "checkpoint").rename(tmp_path / "run" / "checkpoint.old")
+    assert lopti.latest_checkpoint(cfg.output_dir).name == "checkpoint.old"
+    monkeypatch.undo()
+    lopti.save_checkpoint(cfg, model, tok, opt, step=3)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint"]
+
+
+def test_step_rows_are_a_pure_function_of_seed_and_step():
+    cfg = Config(prompts_per_step=3, seed=7)
+    rows = [lopti.step_rows(5, cfg, s) for s in range(5)]  # 15 draws = 3 epochs of 5 rows
+    flat = [i for r in rows for i in r]
+    for epoch in range(3):
+        assert sorted(flat[5 * epoch : 5 * epoch + 5]) == list(range(5))
+    assert rows == [lopti.step_rows(5, cfg, s) for s in range(5)]
+    assert flat[:5] != flat[5:10] or flat[5:10] != flat[10:15]  # reshuffled per epoch
+
+
+def test_output_dir_of_another_run_needs_resume(tiny_model_dir, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(FileExistsError, match="--resume"):
+        lopti.train(tiny_config(tmp_path / "no-such-model", tmp_path / "run"))  # raised before loading
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "empty"), resume=True)
+
+
+def test_batch_sizes_must_divide(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "r", mini_batch_size=3))
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "r", micro_batch_size=3))
+
+
+def test_evaluate_accuracy_per_number_of_people(tiny_model_dir, monkeypatch):
+    # a stand-in reward: right on 3-person puzzles, wrong on 4-person ones
+    monkeypatch.setattr(lopti, "kk_reward", lambda text, sol: 3.0 if sol.count("\n") == 2 else -0.5)
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    from datasets import concatenate_datasets
+
+    rows = concatenate_datasets([lopti.kk_generate(3, 3, seed=1), lopti.kk_generate(2, 4, seed=1)])
+    out = lopti.evaluate(model, tok, rows, Config(max_completion_length=4, eval_batch_size=2), CPU)
+    assert out == {"eval/accuracy_3ppl": 1.0, "eval/reward_3ppl": 3.0, "eval/accuracy_4ppl": 0.0,
+                   "eval/reward_4ppl": -0.5, "eval/accuracy": 0.6}
+
+
+def test_plot_writes_one_png_of_runs(tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    for name, lopti_on in (("grpo", False), ("ar_lopti", True)):
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / name, steps=2, lopti=lopti_on, alpha=0.3 * lopti_on))
+    out = tmp_path / "curves.png"
+    assert lopti.main(["plot", str(tmp_path / "grpo"), str(tmp_path / "ar_lopti"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert lopti.main(["plot", str(tmp_path / "nothing")]) == 2
