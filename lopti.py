@@ -450,28 +450,23 @@ class ToySettings:
     """The toy's knobs; everything not here is lopti.py's Config default (clip ranges, AdamW, grad clip)."""
 
     seed: int = 0
-    steps: int = 100
-    """RL steps per learning run (part 4: does it learn faster?)."""
-    seeds: int = 5
-    alpha: float = 0.3
-    eta: float = 0.5
+    steps: int = 100  # RL steps per learning run (part 4: does it learn faster?)
+    seeds: int = 5  # learning runs per method
+    alpha: float = 0.3  # AR, Eq. 4
+    eta: float = 0.5  # Lopti's threshold, Algorithm 1
     vocab: int = 64
     response_len: int = 12
     prompts: int = 16
-    group: int = 8
+    group: int = 8  # G: samples per prompt
     hidden: int = 128
     learning_rate: float = 1e-3
-    warmup_steps: int = 60
-    """Supervised steps on the noisy teacher; few enough that the policy stays uncertain in places."""
+    warmup_steps: int = 60  # supervised steps on the noisy teacher; few, so the policy stays uncertain in places
     teacher_accuracy: float = 0.9
-    measure_after: int = 5
-    """GRPO steps before the Fig. 1/3 batches, so AdamW's moments are warm as in the paper's mid-run plots."""
+    measure_after: int = 5  # GRPO steps before the Fig. 1/3 batches, so AdamW's moments are warm (mid-run plots)
     measured_batches: int = 8
-    probe_lr: float = 0.3
-    """SGD step of the Fig. 1/3 probes; sized so its mean |delta pi| matches the AdamW step's (seed 0)."""
-    threshold_frac: float = 0.5
-    """Reward threshold = warm-start reward + threshold_frac * (1 - warm-start reward), for every method."""
-    final_window: int = 10
+    probe_lr: float = 0.3  # SGD step of the Fig. 1/3 probes, sized so its mean |delta pi| matches AdamW's (seed 0)
+    threshold_frac: float = 0.5  # threshold = warm-start reward + threshold_frac * (1 - warm-start reward)
+    final_window: int = 10  # final reward = mean over the last final_window steps
 
 
 TOY_METHODS = {  # Config overrides; "GRPO 2 epochs" matches Lopti's two update passes per step
