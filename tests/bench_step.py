@@ -113,15 +113,20 @@ def bench_child(args) -> dict:
         torch.set_num_threads(args.threads)
     P, G, C = args.prompts, args.generations, args.completion
     preset = lopti.PRESETS[args.preset] if args.preset else {}
+    overrides = {k: type(getattr(lopti.Config, k))(v) if not isinstance(getattr(lopti.Config, k), bool)
+                 else lopti._parse_bool(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     cfg = lopti.Config(**{**preset, **VARIANTS[args.variant], "model": str(args.model_dir), "beta": args.beta,
                           "prompts_per_step": P, "num_generations": G, "max_completion_length": C,
                           "mini_batch_size": args.mini_batch_size or P * G, "micro_batch_size": args.micro_batch_size,
-                          "num_people": str(args.people), "seed": args.seed})
+                          "num_people": str(args.people), "seed": args.seed, **overrides})
     device = lopti.pick_device()
     torch.manual_seed(cfg.seed)
     data = lopti.kk_generate(P * (args.steps + 1 + args.max_extra_steps), args.people, seed=args.seed)
     if args.no_prefix_sharing:  # the lever off: every row runs its own prompt, in rollout, pi_old and the update
         lopti._distinct_rows = len
+    if args.no_row_skip:  # the lever off: a zero advantage becomes 1e-30, so every row gets pi_old, forward, backward
+        advantages = lopti.group_advantages
+        lopti.group_advantages = lambda r, g: advantages(r, g).masked_fill(advantages(r, g) == 0, 1e-30)
     t0 = time.perf_counter()
     model = lopti.load_model(cfg.model, device)  # exactly as lopti.train sets them up
     tokenizer = lopti.load_tokenizer(cfg.model)
@@ -243,6 +248,9 @@ def main(argv=None) -> None:
     p.add_argument("--split", choices=("median", "eta"), default="median", help="Lopti's split: at the median "
                    "pi_old (random weights) or at the config's eta (real weights)")
     p.add_argument("--no-prefix-sharing", action="store_true", help="run each row's prompt itself (the lever off)")
+    p.add_argument("--no-row-skip", action="store_true", help="compute rows with a zero advantage too (the lever off)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other Config field, e.g. --set stop_at_answer=false (repeatable)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--mini-batch-size", type=int, default=0, help="0 = P * G (one optimiser step per pass)")
     p.add_argument("--variants", default="grpo,ar_lopti", help=f"comma list of {', '.join(VARIANTS)}")
@@ -293,6 +301,7 @@ def main(argv=None) -> None:
                        "--max-cpu-wait", str(args.max_cpu_wait), "--max-extra-steps", str(args.max_extra_steps),
                        "--seed", str(args.seed), "--people", str(args.people), "--split", args.split]
                 cmd += ["--preset", args.preset] * bool(args.preset) + ["--no-prefix-sharing"] * args.no_prefix_sharing
+                cmd += ["--no-row-skip"] * args.no_row_skip + [f"--set={kv}" for kv in args.set]
                 subprocess.run(cmd, check=True)
                 results.append(json.loads(out.read_text()))
     r0 = results[0]
