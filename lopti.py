@@ -339,6 +339,12 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
                              weight_decay=cfg.weight_decay)
 
 
+def rows_with_gradient(advantages: torch.Tensor, beta: float) -> torch.Tensor:
+    """(B,) bool: the rows whose loss can have a gradient, for (B,) or (B, T) advantages taken before AR: a
+    non-zero advantage, or any row when beta > 0 (its KL term). The others need no pi_old, forward or backward."""
+    return (advantages != 0).view(len(advantages), -1).any(1) | (beta > 0)
+
+
 def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                   optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """One RL step's update on a rollout batch: Advantage Reweighting (Eq. 4), then one GRPO pass or,
@@ -355,7 +361,8 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     A row with no gradient in a pass is not computed (no forward, no backward): one with no token of the
     pass, or, when beta = 0, one whose advantage is 0 (every row of a group whose rewards are all equal). It
     still counts in its mini-batch's token-mean denominator, so the step is the one computed over every row
-    (tested). With beta = 0 such rows' old_logprobs are never read. Statistics are over the computed rows.
+    (tested). With beta = 0 such rows' old_logprobs may hold any value, even NaN: they cannot change the result.
+    Statistics are over the computed rows.
     """
     B = batch["mask"].shape[0]
     mask = batch["mask"].bool()
@@ -368,14 +375,13 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     else:
         stages = [("all", mask)]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    has_adv = (batch["advantages"] != 0).view(B, -1).any(1, keepdim=True)  # (B, 1) before AR: pi_old unread if 0
-    used = mask & (has_adv | (cfg.beta > 0))  # (B, T) tokens of the rows that take part in the update
-    weight = reweight_advantages(torch.ones(B), batch["old_logprobs"], cfg.alpha)  # (B, T), Eq. 4's factor
+    used = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T) the rows that take part
+    weight = reweight_advantages(torch.ones(B, device=mask.device), batch["old_logprobs"], cfg.alpha)  # (B, T)
     out = {"ar_weight": float(weight[used].mean()) if used.any() else None}
     for name, stage_mask in stages:
         t0 = time.perf_counter()
         # rows with a gradient in this pass: an advantage on a token of the stage, or (beta > 0) a KL term there
-        live = (used & stage_mask).any(1)  # (B,)
+        live = (used & stage_mask).any(1).cpu()  # (B,)
         # token-weighted sums of policy_loss's stats, every key present even if the stage is empty
         token_sums = dict.fromkeys(("clip_high", "clip_low", "clip_dual", "kl_ref", "kl_old"), 0.0)
         losses, grad_norms, total, kl_total, skipped = [], [], 0.0, 0.0, 0
@@ -1035,7 +1041,7 @@ def _cache_kwarg(model) -> str:
 def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
     """End each row's completion `mask` (B, C) at the token that completes the text `stop`, as generate's
     stop_strings does; the tokens after it are padding. Returns (mask (B, C), stopped (B,) bool)."""
-    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool)
+    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     for i, row in enumerate(completions.tolist()):
         pieces = tokenizer.batch_decode([[t] for t in row[: int(mask[i].sum())]])
         at = "".join(pieces).find(stop)
@@ -1101,16 +1107,16 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
 @torch.no_grad()
 def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """No-grad log-probs of the completions (of the `rows`, a (B,) bool, if given), micro-batched: pi_old
-    right after rollout, or the reference. Returns (number of rows, C) float32."""
+    """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference.
+    Only the `rows` ((B,) bool) are computed if given; the others are left at 0. Returns (B, C) float32."""
     model.eval()
     B, C = batch["mask"].shape
-    out = []
-    for micro in torch.arange(B)[rows if rows is not None else slice(None)].split(cfg.micro_batch_size):
+    out = torch.zeros(B, C, device=batch["mask"].device)  # (B, C)
+    for micro in (torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()).split(cfg.micro_batch_size):
         with autocast(device):
-            out.append(sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
-                                         cfg.temperature))
-    return torch.cat(out)  # (b, C) float32
+            out[micro] = sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
+                                           cfg.temperature)
+    return out
 
 
 # --- the training loop, checkpoints and resume
@@ -1135,10 +1141,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
     # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
-    used = (batch["advantages"] != 0) | (cfg.beta > 0)  # (B,)
-    batch["old_logprobs"] = torch.zeros(batch["mask"].shape, device=device)  # (B, C)
-    if used.any():
-        batch["old_logprobs"][used] = batched_logprobs(model, batch, cfg, device, used)  # fixed for this step
+    used = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
+    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, used)  # (B, C), fixed for this step
     if ref_model is not None:
         batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
     t2 = time.perf_counter()
@@ -1261,23 +1265,35 @@ def train(cfg: Config, resume: bool = False) -> Path:
     ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
     if resume and not (out / "config.json").exists():
         raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
-    if not resume and (ckpt is not None or (out / "metrics.jsonl").exists()):
+    if resume and ckpt is None and (out / "checkpoint").is_dir():
+        raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
+                         "lopti's own runs resume")
+    if not resume and (ckpt is not None or any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl"))):
         raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
                               "--output_dir")
-    _check_model_name(cfg.model)
+    state = None
+    if resume and ckpt:
+        try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
+            state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
+            raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
+                             f"({' '.join(str(e).split())[:200]})") from e
+    source = str(ckpt) if state else cfg.model  # the policy (and tokenizer) to start from
+    if state is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
+        _check_model_name(cfg.model)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
     device = pick_device()
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
-    model = load_model(str(ckpt) if ckpt and resume else cfg.model, device)
-    tokenizer = load_tokenizer(str(ckpt) if ckpt and resume else cfg.model)
+    tokenizer = load_tokenizer(source)  # before the model: a folder without a tokenizer fails at once
+    model = load_model(source, device)
     ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
     ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg)
     start = 0
-    if resume and ckpt:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # tensors and plain data only
+    if state:
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
@@ -1286,7 +1302,6 @@ def train(cfg: Config, resume: bool = False) -> Path:
     if resume:  # drop steps logged after the checkpoint
         for name in ("metrics.jsonl", "samples.jsonl"):
             _truncate_metrics(out / name, start)
-    out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
 
     stop = {"requested": False}
@@ -1304,12 +1319,12 @@ def train(cfg: Config, resume: bool = False) -> Path:
         for step in bar:
             rows = train_rows[step_rows(len(train_rows), cfg, step)]
             metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
-            append_jsonl(out / "samples.jsonl", {"step": step + 1, "quiz": rows["quiz"][0],
-                                                 "samples": metrics.pop("samples")})
+            samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
             last = step + 1 == cfg.steps
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
                 metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
-            append_jsonl(out / "metrics.jsonl", metrics)
+            append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
+            append_jsonl(out / "samples.jsonl", samples)
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
                 save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
@@ -1322,16 +1337,20 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
-    if not path.exists():
-        return
-    keep = []
+    if path.exists():
+        keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
+        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl/samples.jsonl file; a line torn by a crash mid-write is skipped."""
+    records = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] <= last_step:
-                keep.append(line + "\n")
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass
-    _atomic_write(path, "".join(keep))
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -1380,7 +1399,7 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     for i, run in enumerate(runs):
         if not (run / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
-        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        lines = read_jsonl(run / "metrics.jsonl")
         cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
         method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
             (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
@@ -1428,6 +1447,14 @@ def _lopti_grpo_trainer_class():
             Config(**knobs)  # checks them
             if args.loss_type != "dapo":  # the loss below is the step's token-mean (TRL's "dapo"); no other is made
                 raise ValueError(f"LoptiGRPOTrainer needs loss_type='dapo', got {args.loss_type!r}")
+            unsupported = {k: getattr(args, k, v) for k, v in (  # TRL options _compute_loss below does not apply
+                ("importance_sampling_level", "token"), ("delta", None), ("top_entropy_quantile", 1.0),
+                ("off_policy_mask_threshold", None), ("vllm_importance_sampling_correction", False))
+                if getattr(args, k, v) != v and (k != "vllm_importance_sampling_correction" or args.use_vllm)}
+            if unsupported:
+                raise ValueError(f"LoptiGRPOTrainer does not apply these GRPOConfig settings: {unsupported}")
+            if lopti and args.steps_per_generation % args.gradient_accumulation_steps:  # a step within one stage
+                raise ValueError("with Lopti, steps_per_generation must be a multiple of gradient_accumulation_steps")
             if lopti:
                 args = copy.copy(args)
                 args.num_iterations *= 2
@@ -1451,7 +1478,7 @@ def _lopti_grpo_trainer_class():
             out["advantages"] = reweight_advantages(adv, old, self.alpha)  # (B, T), Eq. 4, before the split
             out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T), carried by TRL
             # update_policy's metrics: over the tokens of rows with a gradient, on all processes
-            used = mask & ((adv != 0).unsqueeze(1) | (self.beta > 0))  # (B, T)
+            used = mask & rows_with_gradient(adv, self.beta)[:, None]  # (B, T)
             weight = reweight_advantages(torch.ones_like(adv), old, self.alpha)  # (B, T), Eq. 4's factor
             n, w, low = self.accelerator.gather(torch.stack(
                 [used.sum(), (weight * used).sum(), (out["lopti_low"] & used).sum()]).float()[None]).sum(0).tolist()
@@ -1493,8 +1520,12 @@ def train_trl(cfg: Config) -> Path:
     from trl import GRPOConfig
 
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
-    if (out / "metrics.jsonl").exists():
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
+    if any((out / f).exists() for f in ("metrics.jsonl", "checkpoint")):
         raise FileExistsError(f"{out}/ holds another run; choose another --output_dir")
+    _check_model_name(cfg.model)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
     if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
         warnings.warn("--engine trl ignores stop_at_answer: completions run to EOS")
     tokenizer, rows = load_tokenizer(cfg.model), load_task_data(cfg)[0]
@@ -1778,9 +1809,10 @@ def _kk_normalise(row):
     for key, value in (("names", names), ("solution", solution)):
         if row.get(key) is not None and list(row[key]) != value:
             raise ValueError(f"{key} {list(row[key])} disagrees with solution_text_format ({value})")
-    if len(_kk_parse_statements(statements)) != len(names):
-        raise ValueError(f"{len(_kk_parse_statements(statements))} statements for {len(names)} people")
-    if kk_solve(statements) != [solution]:
+    parsed = _kk_parse_statements(statements)
+    if len(parsed) != len(names):
+        raise ValueError(f"{len(parsed)} statements for {len(names)} people")
+    if kk_solve(parsed) != [solution]:
         raise ValueError(f"statements {statements} do not have the unique solution {solution}")
     text = row.get("solution_text") or _kk_solution_texts(names, solution)[0]
     return {"quiz": row["quiz"], "names": names, "solution": solution, "solution_text": text,
@@ -2109,6 +2141,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line. A user error is one line on stderr and exit code 2 (--debug shows the traceback);
     Ctrl-C during training saves, then exits 130."""
     args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    cfg = None
+    datasets.disable_progress_bars()  # (the puzzles' map/filter bars; transformers' and the run's own stay)
     try:
         if args.command == "toy":
             toy_main(args)
@@ -2129,7 +2163,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(json.dumps(evaluate_model(cfg), indent=2))
     except KeyboardInterrupt as e:
-        print(f"lopti.py: {e or 'interrupted'}; continue with --resume", file=sys.stderr)
+        native_run = cfg is not None and args.command == "train" and args.engine == "native"
+        hint = "; continue with --resume" if native_run and (Path(cfg.output_dir) / "config.json").exists() else ""
+        print(f"lopti.py {args.command}: {str(e) or 'interrupted'}{hint}", file=sys.stderr)
         return 130
     except Exception as e:
         if getattr(args, "debug", False):

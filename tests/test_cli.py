@@ -175,3 +175,21 @@ def test_readme_block_runs_as_written(i, monkeypatch):
         pytest.importorskip("trl")  # optional; CI installs it
     monkeypatch.chdir(ROOT)  # (it reads tests/data/kk)
     exec(compile(README_BLOCKS[i], f"README.md block {i}", "exec"), {"__name__": "readme"})
+
+
+def test_ctrl_c_outside_a_resumable_run_says_interrupted_without_resume(monkeypatch, capsys):
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lopti, "evaluate_model", interrupt)
+    assert lopti.main(["eval", "--model", "./anything"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "lopti.py eval: interrupted"  # not an empty message, and no --resume advice for eval
+
+
+def test_output_dir_under_a_file_fails_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
+    monkeypatch.setattr(lopti, "load_tokenizer", lambda *a, **k: pytest.fail("checked after loading the tokenizer"))
+    (tmp_path / "f").write_text("")
+    assert lopti.main(["train", "--output_dir", str(tmp_path / "f" / "sub"), "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

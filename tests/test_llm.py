@@ -253,8 +253,9 @@ def test_pi_old_is_computed_only_for_rows_with_an_advantage(tiny_model_dir, monk
                  mini_batch_size=12, micro_batch_size=4, max_completion_length=6, temperature=1.0)
     torch.manual_seed(0)
     m = lopti.train_step(cfg, model, None, tok, lopti.make_optimizer(model, cfg), rows, CPU)
-    assert m["zero_std_groups"] == pytest.approx(2 / 3, abs=1e-6) and m["all/rows"] <= 4 / 12 + 1e-6
-    assert computed and all(not any(r[:4]) and not any(r[8:]) for r in computed)
+    assert m["zero_std_groups"] == pytest.approx(2 / 3, abs=1e-6) and 1 / 12 < m["all/rows"] <= 4 / 12 + 1e-6
+    assert len(computed) == 1 and not any(computed[0][:4]) and not any(computed[0][8:])
+    assert sum(computed[0][4:8]) == round(m["all/rows"] * 12)  # pi_old for exactly the rows the update computes
 
 
 def test_metrics_are_strict_json(tmp_path):
@@ -379,3 +380,28 @@ def test_plot_writes_one_png_of_runs(tiny_model_dir, tmp_path, monkeypatch):
     assert lopti.main(["plot", str(tmp_path / "grpo"), str(tmp_path / "ar_lopti"), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert lopti.main(["plot", str(tmp_path / "nothing")]) == 2
+
+
+def test_folders_that_hold_a_run_are_never_overwritten_or_resumed_wrongly(tiny_model_dir, tmp_path):
+    """A folder with only samples.jsonl (killed between the two lines of step 1) holds a run; a folder written by
+    --engine trl (checkpoint/ without trainer_state.pt) is not resumed as if it had no checkpoint."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "samples.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(FileExistsError, match="--resume"):
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "a"))
+    trl_run = tmp_path / "b"
+    (trl_run / "checkpoint").mkdir(parents=True)
+    (trl_run / "config.json").write_text("{}")
+    (trl_run / "metrics.jsonl").write_text('{"step": 1, "reward": -3.0}\n')
+    with pytest.raises(ValueError, match="engine trl"):
+        lopti.train(tiny_config(tiny_model_dir, trl_run), resume=True)
+    assert (trl_run / "metrics.jsonl").read_text() == '{"step": 1, "reward": -3.0}\n'  # untouched
+
+
+def test_plot_skips_a_line_torn_by_a_crash(tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward": -3.0, "accuracy": 0.0}\n{"step": 2, "rew')
+    assert lopti.main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+

@@ -177,6 +177,11 @@ def test_lopti_trainer_is_lazy_and_checks_its_knobs(sharp_model_dir, tmp_path):
         cls(str(sharp_model_dir), vowel_share, args=grpo_args(tmp_path, loss_type="grpo"))
     with pytest.raises(ValueError, match="eta"):
         cls(str(sharp_model_dir), vowel_share, args=grpo_args(tmp_path), eta=0.0)
+    for setting in (dict(importance_sampling_level="sequence"), dict(top_entropy_quantile=0.5), dict(delta=2.0)):
+        with pytest.raises(ValueError, match=next(iter(setting))):  # a TRL option its loss would silently drop
+            cls(str(sharp_model_dir), vowel_share, args=grpo_args(tmp_path, **setting))
+    with pytest.raises(ValueError, match="steps_per_generation"):  # an optimiser step would span both stages
+        cls(str(sharp_model_dir), vowel_share, args=grpo_args(tmp_path, steps_per_generation=6))
 
 
 KK = dict(num_people="2", num_train=8, prompts_per_step=2, num_generations=2, max_completion_length=8,
