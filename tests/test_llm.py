@@ -189,7 +189,7 @@ def test_stop_at_answer_in_rollout(tiny_model_dir, monkeypatch):
         return torch.cat([input_ids, body], 1)
 
     monkeypatch.setattr(model, "generate", fake_generate)
-    monkeypatch.setattr(tok, "pad_token_id", lopti.eos_token_ids(model, tok)[0])  # pad == EOS, as in SmolLM2
+    tok.pad_token = tok.convert_ids_to_tokens(lopti.eos_token_ids(model, tok)[0])  # pad == EOS, as in SmolLM2
     cfg = Config(model=str(tiny_model_dir), max_completion_length=len(answer) + 3, stop_at_answer=True)
     batch = lopti.rollout(model, tok, ["Zoey is a"], cfg, CPU)
     assert seen["stop"] == ["</answer>"] and batch["mask"].sum() == len(answer) and not batch["truncated"].any()
