@@ -1112,7 +1112,8 @@ def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows
     model.eval()
     B, C = batch["mask"].shape
     out = torch.zeros(B, C, device=batch["mask"].device)  # (B, C)
-    for micro in (torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()).split(cfg.micro_batch_size):
+    index = torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()
+    for micro in index.split(cfg.micro_batch_size) if len(index) else ():  # an empty tensor splits into one empty part
         with autocast(device):
             out[micro] = sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
                                            cfg.temperature)

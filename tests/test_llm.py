@@ -258,6 +258,20 @@ def test_pi_old_is_computed_only_for_rows_with_an_advantage(tiny_model_dir, monk
     assert sum(computed[0][4:8]) == round(m["all/rows"] * 12)  # pi_old for exactly the rows the update computes
 
 
+def test_a_step_where_no_row_has_an_advantage_computes_nothing(tiny_model_dir, monkeypatch):
+    """beta = 0 and every group's rewards equal (a collapsed policy): no pi_old, no update, no error. A real
+    SmolLM2 run crashed here when an empty index still reached the model."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    monkeypatch.setattr(lopti, "kk_reward", lambda text, sol: -1.0)
+    cfg = Config(model=str(tiny_model_dir), beta=0.0, num_generations=4, prompts_per_step=2, mini_batch_size=8,
+                 micro_batch_size=4, max_completion_length=6, temperature=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(0)
+    m = lopti.train_step(cfg, model, None, tok, lopti.make_optimizer(model, cfg), lopti.kk_generate(2, 2, seed=0), CPU)
+    assert m["zero_std_groups"] == 1.0 and m["low/rows"] == 0.0 and m["high/rows"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_metrics_are_strict_json(tmp_path):
     lopti.append_jsonl(tmp_path / "m.jsonl", {"step": 1, "a": float("nan"), "b": float("inf"), "c": None, "d": 0.5})
     line = (tmp_path / "m.jsonl").read_text()
