@@ -166,7 +166,8 @@ def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Ten
     """(B,) or (B, T) advantages as a float (B, T) view for (B, T) per-token tensors like `like`."""
     adv = advantages.float().unsqueeze(-1) if advantages.dim() == 1 else advantages.float()  # (B, 1) or (B, T)
     if adv.dim() != 2 or adv.shape[0] != like.shape[0] or adv.shape[1] not in (1, like.shape[1]):
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) for (B, T) = {tuple(like.shape)}")
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) "
+                         f"for (B, T) = {tuple(like.shape)}")
     return adv.expand(like.shape)  # (B, T)
 
 
@@ -2002,9 +2003,10 @@ def kk_format_credit(completion, solution_text_format) -> float:
 
 
 PRESETS: dict[str, dict] = {
-    # a laptop CPU, about 30-40 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, 128-token completions
+    # a laptop CPU, under 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, 128-token completions
     # that stop at </answer>, no reference model, a 20x learning rate, and the format-credit term: this model never
-    # formats an answer by chance, so Logic-RL's reward alone gives it nothing to learn from (see the README)
+    # formats an answer by chance, so Logic-RL's reward alone gives it nothing to learn from (see the README:
+    # one seed of two learns to answer within the 25 steps; the other collapses onto the prompt's template)
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
@@ -2067,7 +2069,8 @@ def _config_arguments(parser: argparse.ArgumentParser, names) -> None:
     for f in fields(Config):
         if f.name in names:
             parser.add_argument(*sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"}), dest=f.name,
-                                type=types[f.type], metavar=f.type.upper(), help=f"{docs[f.name]} (default {f.default!r})")
+                                type=types[f.type], metavar=f.type.upper(),
+                                help=f"{docs[f.name]} (default {f.default!r})")
 
 
 def build_parser() -> argparse.ArgumentParser:
