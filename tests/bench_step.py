@@ -126,7 +126,7 @@ def bench_child(args) -> dict:
         lopti._distinct_rows = len
     if args.no_row_skip:  # the lever off: a zero advantage becomes 1e-30, so every row gets pi_old, forward, backward
         advantages = lopti.group_advantages
-        lopti.group_advantages = lambda r, g: advantages(r, g).masked_fill(advantages(r, g) == 0, 1e-30)
+        lopti.group_advantages = lambda r, g: (a := advantages(r, g)).masked_fill(a == 0, 1e-30)
     t0 = time.perf_counter()
     model = lopti.load_model(cfg.model, device)  # exactly as lopti.train sets them up
     tokenizer = lopti.load_tokenizer(cfg.model)
