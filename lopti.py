@@ -2006,7 +2006,7 @@ PRESETS: dict[str, dict] = {
     # a laptop CPU, under 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, 128-token completions
     # that stop at </answer>, no reference model, a 20x learning rate, and the format-credit term: this model never
     # formats an answer by chance, so Logic-RL's reward alone gives it nothing to learn from (see the README: on
-    # seed 0 it learns a complete answer in 25 steps with GRPO and AR+Lopti; on seeds 1-3 it does not with either)
+    # seed 0 it learns a complete answer in 25 steps with GRPO and AR+Lopti; on seeds 1-4 it does not)
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
