@@ -7,8 +7,9 @@ ICLR 2026, arXiv 2505.12929). Official code: github.com/zhyang2226/AR-Lopti (a v
     python lopti.py train    # GRPO (+AR, +Lopti) on Knights and Knaves with a Hugging Face causal LM
     python lopti.py eval     # greedy K&K accuracy of a model;  python lopti.py plot RUN_DIR ...  # curves
 
-Sections (grep -n '^# ===' lopti.py), the method first: config -> core math -> the update (Algorithm 1) ->
-toy experiment -> LLM run (rollout, training loop, evaluation) -> TRL -> the K&K task -> CLI.
+Sections (grep -n '^# ===' lopti.py), the method first, each name defined above its first use: config -> core
+math -> the update (Algorithm 1) -> toy experiment -> the K&K task -> LLM run (rollout, evaluation, training loop)
+-> TRL -> CLI.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ from tqdm.auto import tqdm
 
 
 # ====== Config: one dataclass, the paper's K&K settings ======
+
+
+def _people_range(spec: str) -> tuple[int, int]:
+    """'3-7' -> (3, 7); '5' -> (5, 5)."""
+    lo, _, hi = spec.partition("-")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}") from None
 
 
 @dataclass
@@ -141,15 +151,6 @@ class Config:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-
-def _people_range(spec: str) -> tuple[int, int]:
-    """'3-7' -> (3, 7); '5' -> (5, 5)."""
-    lo, _, hi = spec.partition("-")
-    try:
-        return int(lo), int(hi or lo)
-    except ValueError:
-        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}") from None
 
 
 # ====== Core math: group advantage, log-probs, AR (Eq. 4), Lopti's split (Algorithm 1), the loss ======
@@ -799,6 +800,12 @@ def toy_checks(r: dict) -> list[dict]:
     return checks
 
 
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _pyplot():
     """matplotlib.pyplot without a display, or None: matplotlib is optional."""
     try:
@@ -869,728 +876,6 @@ def toy_main(args: argparse.Namespace) -> dict:
     plot_toy(results, out / "toy.png")
     print(f"wrote {out / 'results.json'}; wall time {time.perf_counter() - t0:.1f} s")
     return results
-
-
-# ====== LLM run: a Hugging Face causal LM on K&K, rollout -> reward -> advantage -> pi_old -> update ======
-
-
-# --- model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old)
-
-
-def pick_device() -> torch.device:
-    """cuda -> mps -> cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def has_bf16(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def autocast(device: torch.device):
-    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters (and AdamW's state) stay
-    fp32: at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
-
-
-def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A causal LM with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
-    from transformers import AutoModelForCausalLM
-
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
-    for module in model.modules():  # dropout would make the first ratio != 1
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-    return model.to(device)
-
-
-def load_tokenizer(name: str):
-    """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = _from_pretrained(AutoTokenizer, name)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # masks are built from positions, so pad == EOS is safe
-    return tokenizer
-
-
-def _check_model_name(name: str) -> Path | None:
-    """The local folder `name` names, None for a hub id; an error, before anything is loaded, for a path
-    that is not a model folder."""
-    path = Path(name).expanduser()
-    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
-        return None
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model folder at {name!r} (a folder written by save_pretrained, with a "
-                                "config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
-    return path
-
-
-def _from_pretrained(cls, name: str, **kwargs):
-    path = _check_model_name(name)
-    if path is not None:
-        return cls.from_pretrained(str(path), **kwargs)
-    online = hub_reachable(name, "model")
-    try:  # offline, only a cached copy can load: at once, instead of half a minute of retries
-        return cls.from_pretrained(name, local_files_only=not online, **kwargs)
-    except OSError as e:
-        why = "the hub did not serve it (check the id)" if online else "the Hugging Face hub is not reachable " \
-              "and it is not in the local cache"
-        raise OSError(f"could not load {name!r}: there is no local folder of that name and {why}; offline, pass a "
-                      "local folder written by save_pretrained") from e
-
-
-@functools.lru_cache(maxsize=None)
-def hub_reachable(repo_id: str, repo_type: str) -> bool:
-    """False when the Hugging Face hub cannot be reached at all (no network, or HF_HUB_OFFLINE=1)."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError
-
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return False
-    try:
-        huggingface_hub.HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
-    except HfHubHTTPError:  # the hub answered (a missing, gated or private repo)
-        return True
-    except Exception:  # no network, DNS, timeout: the transport's errors differ between hub versions
-        return False
-    return True
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response: the generation config's EOS ids (Qwen has two) and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
-
-
-def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of the response tokens, built from positions: up to and including the first EOS.
-
-    Returns (mask (B, C) bool, truncated (B,) bool: no EOS at all). Building it from token values instead
-    (`tokens != pad`) drops the generated EOS when pad == EOS, and the model never learns to stop.
-    Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
-        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]
-    """
-    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
-    truncated = ~is_eos.any(dim=1)  # (B,)
-    # the number of EOS strictly before each position: 0 means "not yet stopped"
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (B, C)
-    return eos_before == 0, truncated
-
-
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
-                      temperature: float) -> torch.Tensor:
-    """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
-
-    Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
-    exactly as it would alone (models with absolute positions are wrong without them). Only the logits that
-    predict the completion are computed. Rows that share a prompt (a GRPO group) run it once: its KV cache is
-    computed for each distinct prompt and indexed for every row, which skips G - 1 of every G prompt forwards
-    (and their backward); the log-probs agree with one forward per row to float rounding (tested).
-    """
-    C = num_completion
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
-    targets = input_ids[:, -C:]  # (B, C)
-    if _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):  # (checkpointing drops HF's cache)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V)
-        # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
-        # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
-        return token_logprobs(logits, torch.nn.functional.pad(targets, (0, 1)), temperature)[:, :-1]  # (B, C)
-    cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, V) predicts o_1
-    logits = model(input_ids=targets, attention_mask=attention_mask, position_ids=position_ids[:, -C:],
-                   **{_cache_kwarg(model): cache}).logits  # (B, C, V): position t predicts o_{t+1}
-    head = token_logprobs(first, targets[:, :1], temperature)  # (B, 1)
-    tail = token_logprobs(logits, torch.nn.functional.pad(targets[:, 1:], (0, 1)), temperature)[:, :-1]  # (B, C-1)
-    return torch.cat([head, tail], 1)  # (B, C)
-
-
-def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The KV cache of left-padded prefixes (B, L), computed once per distinct row (the G rows of a group share
-    their prompt) and indexed back to all B rows, differentiably; and the logits of their last position (B, 1, V)."""
-    L = input_ids.shape[1]
-    rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
-    out = model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True, logits_to_keep=1,
-                position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
-    cache = out.cache if "cache" in out else out.past_key_values  # transformers 5 renamed it
-    cache.batch_select_indices(inverse)
-    return cache, out.logits[inverse]
-
-
-def _distinct_rows(x: torch.Tensor) -> int:
-    return len(torch.unique(x, dim=0))
-
-
-def _checkpointing(model) -> bool:
-    name = "is_activation_checkpointing"  # transformers 5; 4.x calls it is_gradient_checkpointing
-    return bool(getattr(model, name if hasattr(type(model), name) else "is_gradient_checkpointing", False))
-
-
-def _cache_kwarg(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """End each row's completion `mask` (B, C) at the token that completes the text `stop`, as generate's
-    stop_strings does; the tokens after it are padding. Returns (mask (B, C), stopped (B,) bool)."""
-    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    for i, row in enumerate(completions.tolist()):
-        pieces = tokenizer.batch_decode([[t] for t in row[: int(mask[i].sum())]])
-        at = "".join(pieces).find(stop)
-        if at >= 0:
-            ends = torch.tensor([len(p) for p in pieces]).cumsum(0)  # text length after each token
-            mask[i, int((ends < at + len(stop)).sum()) + 1:] = False
-            stopped[i] = True
-    return mask, stopped
-
-
-@torch.no_grad()
-def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False):
-    """Sample one completion per prompt (repeat prompts for groups) from pi_old at `cfg.temperature`.
-
-    Sampling is plain softmax(z / T): no top-k, top-p or repetition penalty from the model's generation
-    config, because pi_old must be the distribution the tokens were drawn from. Returns a dict with the
-    left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
-    (B, C), `truncated` (B,) and the decoded completion `texts`.
-    """
-    from transformers import GenerationConfig
-
-    model.eval()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    eos_ids = eos_token_ids(model, tokenizer)
-    # Every knob that reshapes the distribution is set to "off" (Qwen's own generation config has top_p 0.8,
-    # top_k 20, repetition_penalty 1.05). transformers 4.50-4.57 also replace any field passed at its library
-    # default (do_sample=False, top_p=1.0, ...) by the model's own value, so the model's config is swapped
-    # for this one during generate.
-    sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
-    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
-                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling,
-                               stop_strings=[KK_ANSWER_END] if cfg.stop_at_answer else None)
-    model_gen_cfg, model.generation_config = model.generation_config, gen_cfg
-    chunk = cfg.generation_batch_size or len(prompts)
-    parts = []
-    try:
-        for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
-            ids, att = enc["input_ids"][i : i + chunk], enc["attention_mask"][i : i + chunk]  # (b, P)
-            with autocast(device):
-                shared = {}
-                if _distinct_rows(ids) < len(ids):  # a group's prompt is run once, not G times
-                    shared[_cache_kwarg(model)] = prefix_cache(model, ids[:, :-1], att[:, :-1])[0]
-                out = model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
-                                     tokenizer=tokenizer, **shared)  # (b, P + C_i); no token_type_ids (4.x adds them)
-            parts.append(out[:, enc["input_ids"].shape[1]:])  # (b, C_i)
-    finally:
-        model.generation_config = model_gen_cfg
-    C = max(p.shape[1] for p in parts)
-    completions = torch.cat([torch.nn.functional.pad(p, (0, C - p.shape[1]), value=tokenizer.pad_token_id)
-                             for p in parts])  # (B, C); a chunk that stopped early is padded after its EOS
-    out = torch.cat([enc["input_ids"], completions], dim=1)  # (B, P + C)
-    mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
-    if cfg.stop_at_answer:
-        mask, stopped = cut_at(tokenizer, completions, mask, KK_ANSWER_END)
-        truncated &= ~stopped
-    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
-    attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
-    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated,
-            "texts": texts}
-
-
-@torch.no_grad()
-def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference.
-    Only the `rows` ((B,) bool) are computed if given; the others are left at 0. Returns (B, C) float32."""
-    model.eval()
-    B, C = batch["mask"].shape
-    out = torch.zeros(B, C, device=batch["mask"].device)  # (B, C)
-    index = torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()
-    for micro in index.split(cfg.micro_batch_size) if len(index) else ():  # an empty tensor splits into one empty part
-        with autocast(device):
-            out[micro] = sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
-                                           cfg.temperature)
-    return out
-
-
-# --- the training loop, checkpoints and resume
-
-
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
-    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
-    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
-    G = cfg.num_generations
-    t0 = time.perf_counter()
-    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
-    batch = rollout(model, tokenizer, prompts, cfg, device)
-    t1 = time.perf_counter()
-    texts = [THINK_PREFIX + text for text in batch["texts"]]
-    solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
-    rewards = torch.tensor([kk_reward(text, sol) for text, sol in zip(texts, solutions)])  # (B,) Logic-RL's
-    credit = torch.tensor([kk_format_credit(text, sol) if cfg.format_reward else 0.0
-                           for text, sol in zip(texts, solutions)])  # (B,)
-    lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
-    if cfg.mask_truncated:
-        batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
-    trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
-    batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
-    # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
-    used = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
-    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, used)  # (B, C), fixed for this step
-    if ref_model is not None:
-        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
-    t2 = time.perf_counter()
-
-    def logprob_fn(micro: dict) -> torch.Tensor:
-        with autocast(device):
-            return sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["mask"].shape[1],
-                                     cfg.temperature)
-
-    model.train()  # for gradient checkpointing; dropout is off (load_model)
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
-    stats = update_policy(cfg, logprob_fn, optimizer, tensors)
-    grouped = trained.view(-1, G)
-    return {
-        "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
-        "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
-        "format_credit": credit.mean().item() if cfg.format_reward else None,
-        "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
-        "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
-        "learning_rate": optimizer.param_groups[0]["lr"], **stats,
-        "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
-        "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
-        "samples": [{"reward": r, "completion": t} for r, t in zip(rewards[:G].tolist(), texts[:G])],
-    }
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def load_task_data(cfg: Config):
-    """Training rows and evaluation rows (evaluation puzzles never appear in training)."""
-    lo, hi = _people_range(cfg.num_people)
-    train = (kk_generate(cfg.num_train, (lo, hi), seed=cfg.seed) if cfg.train_data == "generate"
-             else kk_load(cfg.train_data))
-    if cfg.eval_data == "generate":
-        evals = datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
-                                      for n in range(lo, hi + 1)])
-    else:
-        evals = kk_load(cfg.eval_data)
-    seen = set(train["quiz"])
-    evals = evals.filter(lambda row: row["quiz"] not in seen)
-    if len(train) == 0:
-        raise ValueError(f"the training set {cfg.train_data!r} has no rows")
-    if len(evals) == 0:
-        raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
-    return train, evals
-
-
-def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
-    """The shuffled row order of one data epoch; a pure function of (seed, epoch), so resuming replays it."""
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(num_rows, generator=g).tolist()
-
-
-def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
-    """Row indices of the prompts of RL step `step` (0-based): consecutive slices of the epoch orders."""
-    first, last = step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step  # positions in the data stream
-    orders = {e: epoch_order(num_rows, cfg.seed, e) for e in range(first // num_rows, (last - 1) // num_rows + 1)}
-    return [orders[i // num_rows][i % num_rows] for i in range(first, last)]
-
-
-# Checkpoints: <output_dir>/checkpoint/ holds the latest one. A new one is written to checkpoint.tmp/ and
-# renamed over the old one only when complete, so a crash mid-save never leaves a broken latest checkpoint.
-
-
-def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int) -> Path:
-    out = Path(cfg.output_dir)
-    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
-    if old.exists() and not final.exists():  # a crash between the two renames below: restore first
-        old.rename(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg)},
-               tmp / "trainer_state.pt")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)  # the commit point
-    shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(output_dir: str) -> Path | None:
-    """The latest complete checkpoint (a crash between the two renames leaves it in checkpoint.old/)."""
-    for name in ("checkpoint", "checkpoint.old"):
-        path = Path(output_dir) / name
-        if (path / "trainer_state.pt").exists():
-            return path
-    return None
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    """One strict-JSON line (a NaN or inf value is written as null), flushed."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
-    with open(path, "a") as f:
-        f.write(json.dumps(clean, allow_nan=False) + "\n")
-        f.flush()
-
-
-def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
-    out = Path(cfg.output_dir)
-    B = cfg.prompts_per_step * cfg.num_generations
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
-                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
-                         f"{cfg.micro_batch_size}")
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
-    if resume and not (out / "config.json").exists():
-        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
-    if resume and ckpt is None and (out / "checkpoint").is_dir():
-        raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
-                         "lopti's own runs resume")
-    if not resume and (ckpt is not None or any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl"))):
-        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
-                              "--output_dir")
-    state = None
-    if resume and ckpt:
-        try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
-            state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
-            raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
-                             f"({' '.join(str(e).split())[:200]})") from e
-    source = str(ckpt) if state else cfg.model  # the policy (and tokenizer) to start from
-    if state is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
-        _check_model_name(cfg.model)
-    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    device = pick_device()
-    torch.manual_seed(cfg.seed)
-    train_rows, eval_rows = load_task_data(cfg)
-    tokenizer = load_tokenizer(source)  # before the model: a folder without a tokenizer fails at once
-    model = load_model(source, device)
-    ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
-    ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = make_optimizer(model, cfg)
-    start = 0
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start = state["step"]
-    if resume:  # drop steps logged after the checkpoint
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            _truncate_metrics(out / name, start)
-    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-
-    stop = {"requested": False}
-
-    def on_sigint(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
-
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-    step = start
-    try:
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
-        for step in bar:
-            rows = train_rows[step_rows(len(train_rows), cfg, step)]
-            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
-            samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
-            last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
-                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
-            append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
-            append_jsonl(out / "samples.jsonl", samples)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
-                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
-            if stop["requested"]:
-                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
-    return out / "checkpoint"
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
-    if path.exists():
-        keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
-        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl/samples.jsonl file; a line torn by a crash mid-write is skipped."""
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return [r for r in records if isinstance(r, dict)]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# --- evaluation (greedy accuracy per number of people, as in the paper's K&K table) and plots
-
-
-def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
-    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people."""
-    rewards, sizes = [], []
-    for i in range(0, len(rows), cfg.eval_batch_size):
-        chunk = rows[i : i + cfg.eval_batch_size]
-        batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
-        rewards += [kk_reward(THINK_PREFIX + t, s) for t, s in zip(batch["texts"], chunk["solution_text_format"])]
-        sizes += [len(names) for names in chunk["names"]]
-    out = {}
-    for n in sorted(set(sizes)):
-        r = [x for x, k in zip(rewards, sizes) if k == n]
-        out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
-        out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
-    out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
-    return out
-
-
-def evaluate_model(cfg: Config) -> dict[str, float]:
-    """`python lopti.py eval`: the puzzles are read first, so a bad --eval_data fails before the model loads."""
-    _check_model_name(cfg.model)
-    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
-    device = pick_device()
-    return evaluate(load_model(cfg.model, device), load_tokenizer(cfg.model), rows, cfg, device)
-
-
-def plot_runs(runs: list[Path], out: Path) -> Path:
-    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
-    line per run (5-step running mean over the raw values), labelled by method and seed."""
-    plt = _pyplot()
-    if plt is None:
-        raise ImportError("plot needs matplotlib: pip install matplotlib")
-    panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
-              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
-    for i, run in enumerate(runs):
-        if not (run / "metrics.jsonl").is_file():
-            raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
-        lines = read_jsonl(run / "metrics.jsonl")
-        cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
-        method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
-            (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
-        for ax, (key, title) in zip(axes, panels):
-            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
-            if points:
-                x, y = zip(*points)
-                mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
-                ax.plot(x, y, c=f"C{i}", alpha=0.25, lw=0.8)
-                ax.plot(x, mean, c=f"C{i}", label=f"{method}, seed {cfg.get('seed', '?')}")
-            ax.set(title=title, xlabel="RL step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
-
-
-# ====== TRL: AR and Lopti inside trl.GRPOTrainer (optional: pip install trl; tested with trl 1.16.0) ======
-
-
-def __getattr__(name: str):
-    """`lopti.LoptiGRPOTrainer` imports TRL on first use; `import lopti` never does."""
-    if name == "LoptiGRPOTrainer":
-        return _lopti_grpo_trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@functools.lru_cache(maxsize=None)
-def _lopti_grpo_trainer_class():
-    from trl import GRPOTrainer
-
-    class LoptiGRPOTrainer(GRPOTrainer):
-        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1) by lopti's reweight_advantages, lopti_masks and
-        policy_loss. Lopti replays each generation batch through TRL's num_iterations, which the trainer doubles (on
-        a copy of `args`): args.num_iterations keeps Config.num_iterations' meaning (PPO epochs per pass), and
-        max_steps (optimiser steps) must count Lopti's two passes. Of TRL's loss options only epsilon, epsilon_high
-        and beta apply (text prompts, token-level ratios). Unlike update_policy, TRL steps the optimiser on a
-        mini-batch without a finite gradient (e.g. an empty Lopti stage) and its advantage divides by std + 1e-4."""
-
-        def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
-                     lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
-            knobs = dict(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)
-            Config(**knobs)  # checks them
-            if args.loss_type != "dapo":  # the loss below is the step's token-mean (TRL's "dapo"); no other is made
-                raise ValueError(f"LoptiGRPOTrainer needs loss_type='dapo', got {args.loss_type!r}")
-            unsupported = {k: getattr(args, k, v) for k, v in (  # TRL options _compute_loss below does not apply
-                ("importance_sampling_level", "token"), ("delta", None), ("top_entropy_quantile", 1.0),
-                ("off_policy_mask_threshold", None), ("vllm_importance_sampling_correction", False))
-                if getattr(args, k, v) != v and (k != "vllm_importance_sampling_correction" or args.use_vllm)}
-            if unsupported:
-                raise ValueError(f"LoptiGRPOTrainer does not apply these GRPOConfig settings: {unsupported}")
-            if lopti and args.steps_per_generation % args.gradient_accumulation_steps:  # a step within one stage
-                raise ValueError("with Lopti, steps_per_generation must be a multiple of gradient_accumulation_steps")
-            if lopti:
-                args = copy.copy(args)
-                args.num_iterations *= 2
-            vars(self).update(knobs)
-            super().__init__(model, reward_funcs, args=args, **kwargs)
-
-        def _logps(self, model, batch: dict, **kwargs) -> torch.Tensor:  # (B, T) at T: TRL's LM head divides by it
-            return self._get_per_token_logps_and_entropies(
-                model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-                torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1],
-                **kwargs)[0]
-
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            mask, adv = out["completion_mask"].bool(), out["advantages"]  # (B, T), (B,)
-            if "old_per_token_logps" not in out and (self.alpha > 0 or self.lopti):  # TRL skips it for one pass
-                with torch.no_grad():
-                    out["old_per_token_logps"] = self._logps(self.model, out,
-                                                             batch_size=self.args.per_device_train_batch_size)
-            old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))  # (B, T); else alpha = 0
-            out["advantages"] = reweight_advantages(adv, old, self.alpha)  # (B, T), Eq. 4, before the split
-            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T), carried by TRL
-            # update_policy's metrics: over the tokens of rows with a gradient, on all processes
-            used = mask & rows_with_gradient(adv, self.beta)[:, None]  # (B, T)
-            weight = reweight_advantages(torch.ones_like(adv), old, self.alpha)  # (B, T), Eq. 4's factor
-            n, w, low = self.accelerator.gather(torch.stack(
-                [used.sum(), (weight * used).sum(), (out["lopti_low"] & used).sum()]).float()[None]).sum(0).tolist()
-            shares = {"low": low, "high": n - low} if self.lopti else {"all": n}
-            for key, value in {"ar_weight": w, **{f"{k}/token_share": v for k, v in shares.items()}}.items():
-                self._metrics["train" if self.model.training else "eval"][key].append(value / n if n else math.nan)
-            return out
-
-        def _compute_loss(self, model, inputs):
-            mask, low, train = inputs["completion_mask"].bool(), inputs["lopti_low"], self.model.training  # (b, T)
-            stage, name = mask, "all"
-            if self.lopti and train:  # this micro-step's replay of the generation batch; first half: first stage
-                second = self._step // self.args.steps_per_generation % self.num_iterations >= self.num_iterations // 2
-                stage, name = (low, "low") if second == (self.lopti_order == "high_first") else (mask & ~low, "high")
-            # DENOM, TRL's "dapo" normaliser: the generation batch's response tokens on all processes, per process
-            # (DDP averages) and per optimiser step = the step's mini-batch's tokens, in both Lopti stages, as in
-            # update_policy (if a pass takes k > 1 steps: the mean mini-batch's count, and TRL shuffles the rows).
-            ga = self.current_gradient_accumulation_steps if train else 1
-            denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            denom = denom * ga / self.args.steps_per_generation if train else denom
-            logp = self._logps(model, inputs)  # (b, T)
-            loss, _ = policy_loss(
-                logp, inputs.get("old_per_token_logps", logp.detach()), inputs["advantages"] * stage, mask,
-                epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, dual_clip=self.dual_clip,
-                ref_logprobs=inputs.get("ref_per_token_logps"), beta=self.beta, kl_mask=stage, num_tokens=denom)
-            # update_policy's {stage}/loss, the optimiser step's loss: TRL averages the logged micro-step values
-            self._metrics["train" if train else "eval"][f"{name}/loss"].append(
-                self.accelerator.gather(loss.detach()[None]).mean().item() * ga)
-            return loss
-
-    return LoptiGRPOTrainer
-
-
-def train_trl(cfg: Config) -> Path:
-    """`python lopti.py train --engine trl`: `train`'s K&K run through LoptiGRPOTrainer, in one process or under
-    `accelerate launch`. Writes config.json, metrics.jsonl (a line per RL step) and checkpoint/ in cfg.output_dir;
-    no evaluation (run `lopti.py eval` on checkpoint/) and no --resume."""
-    from transformers import TrainerCallback
-    from trl import GRPOConfig
-
-    out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    if any((out / f).exists() for f in ("metrics.jsonl", "checkpoint")):
-        raise FileExistsError(f"{out}/ holds another run; choose another --output_dir")
-    _check_model_name(cfg.model)
-    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
-        warnings.warn("--engine trl ignores stop_at_answer: completions run to EOS")
-    tokenizer, rows = load_tokenizer(cfg.model), load_task_data(cfg)[0]
-    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"]]  # templated text: TRL applies no template
-    if tokenizer(prompts[:1])["input_ids"] != tokenizer(prompts[:1], add_special_tokens=False)["input_ids"]:
-        raise ValueError(f"{cfg.model}'s tokenizer adds special tokens to the templated prompt (as TRL calls it)")
-    data = datasets.Dataset.from_dict({"prompt": prompts, "solution_text_format": rows["solution_text_format"]})
-
-    def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
-        texts = [THINK_PREFIX + c for c in completions]
-        r = [kk_reward(t, s) for t, s in zip(texts, solution_text_format)]  # Logic-RL's, for the metrics
-        for key, value in (("kk_reward", sum(r)), ("accuracy", r.count(KK_MAX_REWARD)),
-                           ("format_error", r.count(KK_FORMAT_ERROR))):
-            log_metric(key, value / len(r))
-        return [x + cfg.format_reward * kk_format_credit(t, s) if cfg.format_reward else x
-                for x, t, s in zip(r, texts, solution_text_format)]
-
-    per_step = (2 if cfg.lopti else 1) * cfg.num_iterations * B // cfg.mini_batch_size  # optimiser steps per RL step
-    args = GRPOConfig(
-        output_dir=str(out), seed=cfg.seed, max_steps=cfg.steps * per_step, generation_batch_size=B,
-        per_device_train_batch_size=cfg.micro_batch_size, num_generations=cfg.num_generations,
-        temperature=cfg.temperature, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,  # sample from pi_old
-        max_completion_length=cfg.max_completion_length, mask_truncated_completions=cfg.mask_truncated,
-        num_iterations=cfg.num_iterations, loss_type="dapo", beta=cfg.beta, epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
-        max_grad_norm=cfg.max_grad_norm, disable_dropout=True, gradient_checkpointing=cfg.gradient_checkpointing,
-        bf16=has_bf16(pick_device()), logging_steps=1, report_to="none", ddp_find_unused_parameters=False,
-        save_strategy="steps" if cfg.save_every else "no", save_steps=max(cfg.save_every, 1) * per_step)
-    world = args.world_size  # known once args exist (it reads the launcher's environment)
-    print(f"--engine trl: process {args.process_index} of {world} processes")
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % (cfg.micro_batch_size * world):
-        raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
-                         f"{cfg.mini_batch_size}, itself one of micro_batch_size * {world} processes")
-    args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * world)
-    pending = {}
-
-    class MetricsPerRLStep(TrainerCallback):
-        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
-        written = 0
-
-        def on_log(self, _args, state, control, logs=None, **kwargs):
-            for k, v in logs.items():
-                pending.setdefault(k, []).append(v)
-            step, rest = divmod(state.global_step, per_step)
-            if rest or step <= self.written:  # (TRL's end-of-training summary repeats the last step)
-                return
-            nums = {k: [x for x in v if isinstance(x, (int, float))] for k, v in pending.items()}
-            means, self.written = {k: sum(v) / len(v) if v else None for k, v in nums.items()}, step
-            pending.clear()
-            if state.is_world_process_zero:  # "reward": Logic-RL's, as train_step's (TRL's includes format credit)
-                append_jsonl(out / "metrics.jsonl", {**means, "step": step, "reward": means.get("kk_reward")})
-
-    model = load_model(cfg.model, torch.device("cpu"))  # the Trainer moves it to its device
-    trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases and norms
-        model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
-        dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
-        optimizers=(make_optimizer(model, cfg), None), callbacks=[MetricsPerRLStep()])
-    if trainer.accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-    trainer.train()
-    trainer.save_model(str(out / "checkpoint"))
-    return out / "checkpoint"
 
 
 # ====== Knights and Knaves: the paper's task (Logic-RL's data and reward) ======
@@ -1672,23 +957,9 @@ def _kk_truth(stmt, masks, full):
     return full ^ (vals[0] ^ vals[1])  # "<=>"
 
 
-def kk_solve(statements):
-    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n.
-
-    `statements` is the official tuple (one statement per person) or its string, parsed with
-    ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
-    come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
-    """
-    statements = _kk_parse_statements(statements)
-    n = len(statements)
-    masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
-    ok = full
-    for i, stmt in enumerate(statements):
-        ok &= full ^ (masks[i] ^ _kk_truth(stmt, masks, full))  # speaker truthful iff knight
-    return [[not (a >> (n - 1 - i)) & 1 for i in range(n)] for a in range(2 ** n) if (ok >> a) & 1]
-
-
 KK_MAX_PEOPLE = 12  # solving tries all 2^n assignments; the benchmark's puzzles have 2 to 8 people
+
+
 _KK_MAX_DEPTH = 8  # bracket nesting of a statements string (the benchmark's is 3)
 
 
@@ -1707,6 +978,22 @@ def _kk_parse_statements(statements):
     if len(statements) > KK_MAX_PEOPLE:
         raise ValueError(f"{len(statements)} statements: at most {KK_MAX_PEOPLE} people per puzzle are supported")
     return statements
+
+
+def kk_solve(statements):
+    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n.
+
+    `statements` is the official tuple (one statement per person) or its string, parsed with
+    ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
+    come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
+    """
+    statements = _kk_parse_statements(statements)
+    n = len(statements)
+    masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
+    ok = full
+    for i, stmt in enumerate(statements):
+        ok &= full ^ (masks[i] ^ _kk_truth(stmt, masks, full))  # speaker truthful iff knight
+    return [[not (a >> (n - 1 - i)) & 1 for i in range(n)] for a in range(2 ** n) if (ok >> a) & 1]
 
 
 def _kk_sample_statement(rng, n, speaker):
@@ -1797,6 +1084,32 @@ def _kk_as_tuple(x):
     return tuple(_kk_as_tuple(y) for y in x) if isinstance(x, list) else x
 
 
+def _word_char(text: str, i: int) -> bool:
+    return 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # what \b takes for a word character
+
+
+def kk_parse_solution(solution_text_format):
+    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", per line.
+
+    Logic-RL's parse: the first word of letters on each line is the name, the next knight/knave its role.
+    """
+    if not isinstance(solution_text_format, str):
+        raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
+    roles = {}
+    for line in solution_text_format.split("\n"):
+        # = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.I), Logic-RL's pattern, in linear time
+        # (that regex is quadratic in the line's length): the first whole word of letters, then a role after it
+        name = next((m for m in re.finditer(r"[A-Za-z]+", line) if not _word_char(line, m.start() - 1)
+                     and not _word_char(line, m.end())), None)
+        role = name and re.search(r"\b(knight|knave)\b", line[name.end():], re.IGNORECASE)
+        if role:
+            roles[name.group()] = role.group(1).lower()
+    if not roles:
+        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
+                         f"{solution_text_format!r}")
+    return roles
+
+
 def _kk_normalise(row):
     """One loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
     truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL keeps the answer here
@@ -1819,6 +1132,23 @@ def _kk_normalise(row):
     text = row.get("solution_text") or _kk_solution_texts(names, solution)[0]
     return {"quiz": row["quiz"], "names": names, "solution": solution, "solution_text": text,
             "solution_text_format": text_format, "statements": statements, "num_people": len(names)}
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(repo_id: str, repo_type: str) -> bool:
+    """False when the Hugging Face hub cannot be reached at all (no network, or HF_HUB_OFFLINE=1)."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        huggingface_hub.HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
+    except HfHubHTTPError:  # the hub answered (a missing, gated or private repo)
+        return True
+    except Exception:  # no network, DNS, timeout: the transport's errors differ between hub versions
+        return False
+    return True
 
 
 _KK_HUB_NAME = re.compile(r"[\w-]+/[\w.-]+(:[\w.-]+(/[\w.-]+)?)?")
@@ -1905,34 +1235,19 @@ def kk_prompt(tokenizer, quiz):
     return f"{KK_SYSTEM_PROMPT}\nUser: {quiz}\nAssistant: {THINK_PREFIX}"
 
 
-def kk_parse_solution(solution_text_format):
-    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", per line.
-
-    Logic-RL's parse: the first word of letters on each line is the name, the next knight/knave its role.
-    """
-    if not isinstance(solution_text_format, str):
-        raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
-    roles = {}
-    for line in solution_text_format.split("\n"):
-        # = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.I), Logic-RL's pattern, in linear time
-        # (that regex is quadratic in the line's length): the first whole word of letters, then a role after it
-        name = next((m for m in re.finditer(r"[A-Za-z]+", line) if not _word_char(line, m.start() - 1)
-                     and not _word_char(line, m.end())), None)
-        role = name and re.search(r"\b(knight|knave)\b", line[name.end():], re.IGNORECASE)
-        if role:
-            roles[name.group()] = role.group(1).lower()
-    if not roles:
-        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
-                         f"{solution_text_format!r}")
-    return roles
-
-
-def _word_char(text: str, i: int) -> bool:
-    return 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # what \b takes for a word character
-
-
 _KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 KK_ANSWER_END = "</answer>"
+
+
+def _kk_role_words(answer: str) -> int:
+    lowered = answer.lower()
+    return lowered.count("knight") + lowered.count("knave")
+
+
+def _kk_named_role(name: str, answer: str) -> str | None:
+    """The role `answer` gives `name` (Logic-RL's pattern, first match), or None."""
+    m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+    return None if m is None else m.group(1).lower()
 
 
 def kk_reward(completion, solution_text_format):
@@ -1964,17 +1279,6 @@ def kk_reward(completion, solution_text_format):
     return KK_MAX_REWARD if predicted == truth else -0.5
 
 
-def _kk_role_words(answer: str) -> int:
-    lowered = answer.lower()
-    return lowered.count("knight") + lowered.count("knave")
-
-
-def _kk_named_role(name: str, answer: str) -> str | None:
-    """The role `answer` gives `name` (Logic-RL's pattern, first match), or None."""
-    m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
-    return None if m is None else m.group(1).lower()
-
-
 def kk_format_credit(completion, solution_text_format) -> float:
     """Partial credit in [0, 1] toward an answer Logic-RL's scorer can read: an optional shaping term for the
     *training* reward (Config.format_reward); kk_reward is unchanged and still judges the run.
@@ -1997,6 +1301,708 @@ def kk_format_credit(completion, solution_text_format) -> float:
     if _kk_role_words(answer) <= len(names):
         credit += 0.5 * sum(_kk_named_role(name, answer) is not None for name in names) / len(names)
     return credit
+
+
+def load_task_data(cfg: Config):
+    """Training rows and evaluation rows (evaluation puzzles never appear in training)."""
+    lo, hi = _people_range(cfg.num_people)
+    train = (kk_generate(cfg.num_train, (lo, hi), seed=cfg.seed) if cfg.train_data == "generate"
+             else kk_load(cfg.train_data))
+    if cfg.eval_data == "generate":
+        evals = datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
+                                      for n in range(lo, hi + 1)])
+    else:
+        evals = kk_load(cfg.eval_data)
+    seen = set(train["quiz"])
+    evals = evals.filter(lambda row: row["quiz"] not in seen)
+    if len(train) == 0:
+        raise ValueError(f"the training set {cfg.train_data!r} has no rows")
+    if len(evals) == 0:
+        raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
+    return train, evals
+
+
+# ====== LLM run: a Hugging Face causal LM on K&K, rollout -> reward -> advantage -> pi_old -> update ======
+
+
+# --- model I/O and rollout (Algorithm 1, lines 3-5: sample G responses, score them, pi_old)
+
+
+def pick_device() -> torch.device:
+    """cuda -> mps -> cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def has_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters (and AdamW's state) stay
+    fp32: at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
+
+
+def _check_model_name(name: str) -> Path | None:
+    """The local folder `name` names, None for a hub id; an error, before anything is loaded, for a path
+    that is not a model folder."""
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+        return None
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model folder at {name!r} (a folder written by save_pretrained, with a "
+                                "config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    return path
+
+
+def _from_pretrained(cls, name: str, **kwargs):
+    path = _check_model_name(name)
+    if path is not None:
+        return cls.from_pretrained(str(path), **kwargs)
+    online = hub_reachable(name, "model")
+    try:  # offline, only a cached copy can load: at once, instead of half a minute of retries
+        return cls.from_pretrained(name, local_files_only=not online, **kwargs)
+    except OSError as e:
+        why = "the hub did not serve it (check the id)" if online else "the Hugging Face hub is not reachable " \
+              "and it is not in the local cache"
+        raise OSError(f"could not load {name!r}: there is no local folder of that name and {why}; offline, pass a "
+                      "local folder written by save_pretrained") from e
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A causal LM with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
+    for module in model.modules():  # dropout would make the first ratio != 1
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model.to(device)
+
+
+def load_tokenizer(name: str):
+    """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_pretrained(AutoTokenizer, name)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # masks are built from positions, so pad == EOS is safe
+    return tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the generation config's EOS ids (Qwen has two) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of the response tokens, built from positions: up to and including the first EOS.
+
+    Returns (mask (B, C) bool, truncated (B,) bool: no EOS at all). Building it from token values instead
+    (`tokens != pad`) drops the generated EOS when pad == EOS, and the model never learns to stop.
+    Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
+        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]
+    """
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
+    truncated = ~is_eos.any(dim=1)  # (B,)
+    # the number of EOS strictly before each position: 0 means "not yet stopped"
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (B, C)
+    return eos_before == 0, truncated
+
+
+def _distinct_rows(x: torch.Tensor) -> int:
+    return len(torch.unique(x, dim=0))
+
+
+def _checkpointing(model) -> bool:
+    name = "is_activation_checkpointing"  # transformers 5; 4.x calls it is_gradient_checkpointing
+    return bool(getattr(model, name if hasattr(type(model), name) else "is_gradient_checkpointing", False))
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The KV cache of left-padded prefixes (B, L), computed once per distinct row (the G rows of a group share
+    their prompt) and indexed back to all B rows, differentiably; and the logits of their last position (B, 1, V)."""
+    L = input_ids.shape[1]
+    rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
+    out = model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True, logits_to_keep=1,
+                position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
+    cache = out.cache if "cache" in out else out.past_key_values  # transformers 5 renamed it
+    cache.batch_select_indices(inverse)
+    return cache, out.logits[inverse]
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
+                      temperature: float) -> torch.Tensor:
+    """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
+
+    Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
+    exactly as it would alone (models with absolute positions are wrong without them). Only the logits that
+    predict the completion are computed. Rows that share a prompt (a GRPO group) run it once: its KV cache is
+    computed for each distinct prompt and indexed for every row, which skips G - 1 of every G prompt forwards
+    (and their backward); the log-probs agree with one forward per row to float rounding (tested).
+    """
+    C = num_completion
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
+    targets = input_ids[:, -C:]  # (B, C)
+    if _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):  # (checkpointing drops HF's cache)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V)
+        # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
+        # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
+        return token_logprobs(logits, torch.nn.functional.pad(targets, (0, 1)), temperature)[:, :-1]  # (B, C)
+    cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, V) predicts o_1
+    logits = model(input_ids=targets, attention_mask=attention_mask, position_ids=position_ids[:, -C:],
+                   **{_cache_kwarg(model): cache}).logits  # (B, C, V): position t predicts o_{t+1}
+    head = token_logprobs(first, targets[:, :1], temperature)  # (B, 1)
+    tail = token_logprobs(logits, torch.nn.functional.pad(targets[:, 1:], (0, 1)), temperature)[:, :-1]  # (B, C-1)
+    return torch.cat([head, tail], 1)  # (B, C)
+
+
+def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """End each row's completion `mask` (B, C) at the token that completes the text `stop`, as generate's
+    stop_strings does; the tokens after it are padding. Returns (mask (B, C), stopped (B,) bool)."""
+    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    for i, row in enumerate(completions.tolist()):
+        pieces = tokenizer.batch_decode([[t] for t in row[: int(mask[i].sum())]])
+        at = "".join(pieces).find(stop)
+        if at >= 0:
+            ends = torch.tensor([len(p) for p in pieces]).cumsum(0)  # text length after each token
+            mask[i, int((ends < at + len(stop)).sum()) + 1:] = False
+            stopped[i] = True
+    return mask, stopped
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False):
+    """Sample one completion per prompt (repeat prompts for groups) from pi_old at `cfg.temperature`.
+
+    Sampling is plain softmax(z / T): no top-k, top-p or repetition penalty from the model's generation
+    config, because pi_old must be the distribution the tokens were drawn from. Returns a dict with the
+    left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
+    (B, C), `truncated` (B,) and the decoded completion `texts`.
+    """
+    from transformers import GenerationConfig
+
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    eos_ids = eos_token_ids(model, tokenizer)
+    # Every knob that reshapes the distribution is set to "off" (Qwen's own generation config has top_p 0.8,
+    # top_k 20, repetition_penalty 1.05). transformers 4.50-4.57 also replace any field passed at its library
+    # default (do_sample=False, top_p=1.0, ...) by the model's own value, so the model's config is swapped
+    # for this one during generate.
+    sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
+    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
+                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling,
+                               stop_strings=[KK_ANSWER_END] if cfg.stop_at_answer else None)
+    model_gen_cfg, model.generation_config = model.generation_config, gen_cfg
+    chunk = cfg.generation_batch_size or len(prompts)
+    parts = []
+    try:
+        for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
+            ids, att = enc["input_ids"][i : i + chunk], enc["attention_mask"][i : i + chunk]  # (b, P)
+            with autocast(device):
+                shared = {}
+                if _distinct_rows(ids) < len(ids):  # a group's prompt is run once, not G times
+                    shared[_cache_kwarg(model)] = prefix_cache(model, ids[:, :-1], att[:, :-1])[0]
+                out = model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
+                                     tokenizer=tokenizer, **shared)  # (b, P + C_i); no token_type_ids (4.x adds them)
+            parts.append(out[:, enc["input_ids"].shape[1]:])  # (b, C_i)
+    finally:
+        model.generation_config = model_gen_cfg
+    C = max(p.shape[1] for p in parts)
+    completions = torch.cat([torch.nn.functional.pad(p, (0, C - p.shape[1]), value=tokenizer.pad_token_id)
+                             for p in parts])  # (B, C); a chunk that stopped early is padded after its EOS
+    out = torch.cat([enc["input_ids"], completions], dim=1)  # (B, P + C)
+    mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
+    if cfg.stop_at_answer:
+        mask, stopped = cut_at(tokenizer, completions, mask, KK_ANSWER_END)
+        truncated &= ~stopped
+    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
+    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated,
+            "texts": texts}
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference.
+    Only the `rows` ((B,) bool) are computed if given; the others are left at 0. Returns (B, C) float32."""
+    model.eval()
+    B, C = batch["mask"].shape
+    out = torch.zeros(B, C, device=batch["mask"].device)  # (B, C)
+    index = torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()
+    for micro in index.split(cfg.micro_batch_size) if len(index) else ():  # an empty tensor splits into one empty part
+        with autocast(device):
+            out[micro] = sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
+                                           cfg.temperature)
+    return out
+
+
+# --- evaluation (greedy accuracy per number of people, as in the paper's K&K table)
+
+
+def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
+    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people."""
+    rewards, sizes = [], []
+    for i in range(0, len(rows), cfg.eval_batch_size):
+        chunk = rows[i : i + cfg.eval_batch_size]
+        batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
+        rewards += [kk_reward(THINK_PREFIX + t, s) for t, s in zip(batch["texts"], chunk["solution_text_format"])]
+        sizes += [len(names) for names in chunk["names"]]
+    out = {}
+    for n in sorted(set(sizes)):
+        r = [x for x, k in zip(rewards, sizes) if k == n]
+        out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
+        out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
+    out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
+    return out
+
+
+def evaluate_model(cfg: Config) -> dict[str, float]:
+    """`python lopti.py eval`: the puzzles are read first, so a bad --eval_data fails before the model loads."""
+    _check_model_name(cfg.model)
+    rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
+    device = pick_device()
+    return evaluate(load_model(cfg.model, device), load_tokenizer(cfg.model), rows, cfg, device)
+
+
+# --- the training loop, checkpoints and resume
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
+    """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
+    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
+    G = cfg.num_generations
+    t0 = time.perf_counter()
+    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
+    batch = rollout(model, tokenizer, prompts, cfg, device)
+    t1 = time.perf_counter()
+    texts = [THINK_PREFIX + text for text in batch["texts"]]
+    solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
+    rewards = torch.tensor([kk_reward(text, sol) for text, sol in zip(texts, solutions)])  # (B,) Logic-RL's
+    credit = torch.tensor([kk_format_credit(text, sol) if cfg.format_reward else 0.0
+                           for text, sol in zip(texts, solutions)])  # (B,)
+    lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
+    if cfg.mask_truncated:
+        batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
+    trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
+    batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
+    # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
+    used = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
+    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, used)  # (B, C), fixed for this step
+    if ref_model is not None:
+        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
+    t2 = time.perf_counter()
+
+    def logprob_fn(micro: dict) -> torch.Tensor:
+        with autocast(device):
+            return sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["mask"].shape[1],
+                                     cfg.temperature)
+
+    model.train()  # for gradient checkpointing; dropout is off (load_model)
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
+    stats = update_policy(cfg, logprob_fn, optimizer, tensors)
+    grouped = trained.view(-1, G)
+    return {
+        "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
+        "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
+        "format_credit": credit.mean().item() if cfg.format_reward else None,
+        "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
+        "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
+        "learning_rate": optimizer.param_groups[0]["lr"], **stats,
+        "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
+        "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
+        "samples": [{"reward": r, "completion": t} for r, t in zip(rewards[:G].tolist(), texts[:G])],
+    }
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled row order of one data epoch; a pure function of (seed, epoch), so resuming replays it."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
+    """Row indices of the prompts of RL step `step` (0-based): consecutive slices of the epoch orders."""
+    first, last = step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step  # positions in the data stream
+    orders = {e: epoch_order(num_rows, cfg.seed, e) for e in range(first // num_rows, (last - 1) // num_rows + 1)}
+    return [orders[i // num_rows][i % num_rows] for i in range(first, last)]
+
+
+# Checkpoints: <output_dir>/checkpoint/ holds the latest one. A new one is written to checkpoint.tmp/ and
+# renamed over the old one only when complete, so a crash mid-save never leaves a broken latest checkpoint.
+
+
+def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int) -> Path:
+    out = Path(cfg.output_dir)
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if old.exists() and not final.exists():  # a crash between the two renames below: restore first
+        old.rename(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg)},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)  # the commit point
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(output_dir: str) -> Path | None:
+    """The latest complete checkpoint (a crash between the two renames leaves it in checkpoint.old/)."""
+    for name in ("checkpoint", "checkpoint.old"):
+        path = Path(output_dir) / name
+        if (path / "trainer_state.pt").exists():
+            return path
+    return None
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One strict-JSON line (a NaN or inf value is written as null), flushed."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    with open(path, "a") as f:
+        f.write(json.dumps(clean, allow_nan=False) + "\n")
+        f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl/samples.jsonl file; a line torn by a crash mid-write is skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
+    if path.exists():
+        keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
+        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
+    out = Path(cfg.output_dir)
+    B = cfg.prompts_per_step * cfg.num_generations
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
+                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
+                         f"{cfg.micro_batch_size}")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
+    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
+    if resume and not (out / "config.json").exists():
+        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
+    if resume and ckpt is None and (out / "checkpoint").is_dir():
+        raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
+                         "lopti's own runs resume")
+    if not resume and (ckpt is not None or any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl"))):
+        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
+                              "--output_dir")
+    state = None
+    if resume and ckpt:
+        try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
+            state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
+            raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
+                             f"({' '.join(str(e).split())[:200]})") from e
+    source = str(ckpt) if state else cfg.model  # the policy (and tokenizer) to start from
+    if state is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
+        _check_model_name(cfg.model)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
+    device = pick_device()
+    torch.manual_seed(cfg.seed)
+    train_rows, eval_rows = load_task_data(cfg)
+    tokenizer = load_tokenizer(source)  # before the model: a folder without a tokenizer fails at once
+    model = load_model(source, device)
+    ref_dtype = torch.bfloat16 if has_bf16(device) else torch.float32  # frozen: bf16 halves its memory
+    ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False) if cfg.beta > 0 else None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(model, cfg)
+    start = 0
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        start = state["step"]
+    if resume:  # drop steps logged after the checkpoint
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            _truncate_metrics(out / name, start)
+    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+
+    stop = {"requested": False}
+
+    def on_sigint(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
+
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    step = start
+    try:
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
+        for step in bar:
+            rows = train_rows[step_rows(len(train_rows), cfg, step)]
+            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
+            samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
+            last = step + 1 == cfg.steps
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
+            append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
+            append_jsonl(out / "samples.jsonl", samples)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
+                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
+            if stop["requested"]:
+                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    return out / "checkpoint"
+
+
+# --- plots
+
+
+def plot_runs(runs: list[Path], out: Path) -> Path:
+    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
+    line per run (5-step running mean over the raw values), labelled by method and seed."""
+    plt = _pyplot()
+    if plt is None:
+        raise ImportError("plot needs matplotlib: pip install matplotlib")
+    panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
+              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    for i, run in enumerate(runs):
+        if not (run / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
+        lines = read_jsonl(run / "metrics.jsonl")
+        cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+        method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
+            (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
+        for ax, (key, title) in zip(axes, panels):
+            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+            if points:
+                x, y = zip(*points)
+                mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
+                ax.plot(x, y, c=f"C{i}", alpha=0.25, lw=0.8)
+                ax.plot(x, mean, c=f"C{i}", label=f"{method}, seed {cfg.get('seed', '?')}")
+            ax.set(title=title, xlabel="RL step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# ====== TRL: AR and Lopti inside trl.GRPOTrainer (optional: pip install trl; tested with trl 1.16.0) ======
+
+
+@functools.lru_cache(maxsize=None)
+def _lopti_grpo_trainer_class():
+    from trl import GRPOTrainer
+
+    class LoptiGRPOTrainer(GRPOTrainer):
+        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1) by lopti's reweight_advantages, lopti_masks and
+        policy_loss. Lopti replays each generation batch through TRL's num_iterations, which the trainer doubles (on
+        a copy of `args`): args.num_iterations keeps Config.num_iterations' meaning (PPO epochs per pass), and
+        max_steps (optimiser steps) must count Lopti's two passes. Of TRL's loss options only epsilon, epsilon_high
+        and beta apply (text prompts, token-level ratios). Unlike update_policy, TRL steps the optimiser on a
+        mini-batch without a finite gradient (e.g. an empty Lopti stage) and its advantage divides by std + 1e-4."""
+
+        def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
+                     lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
+            knobs = dict(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)
+            Config(**knobs)  # checks them
+            if args.loss_type != "dapo":  # the loss below is the step's token-mean (TRL's "dapo"); no other is made
+                raise ValueError(f"LoptiGRPOTrainer needs loss_type='dapo', got {args.loss_type!r}")
+            unsupported = {k: getattr(args, k, v) for k, v in (  # TRL options _compute_loss below does not apply
+                ("importance_sampling_level", "token"), ("delta", None), ("top_entropy_quantile", 1.0),
+                ("off_policy_mask_threshold", None), ("vllm_importance_sampling_correction", False))
+                if getattr(args, k, v) != v and (k != "vllm_importance_sampling_correction" or args.use_vllm)}
+            if unsupported:
+                raise ValueError(f"LoptiGRPOTrainer does not apply these GRPOConfig settings: {unsupported}")
+            if lopti and args.steps_per_generation % args.gradient_accumulation_steps:  # a step within one stage
+                raise ValueError("with Lopti, steps_per_generation must be a multiple of gradient_accumulation_steps")
+            if lopti:
+                args = copy.copy(args)
+                args.num_iterations *= 2
+            vars(self).update(knobs)
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+
+        def _logps(self, model, batch: dict, **kwargs) -> torch.Tensor:  # (B, T) at T: TRL's LM head divides by it
+            return self._get_per_token_logps_and_entropies(
+                model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1],
+                **kwargs)[0]
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            mask, adv = out["completion_mask"].bool(), out["advantages"]  # (B, T), (B,)
+            if "old_per_token_logps" not in out and (self.alpha > 0 or self.lopti):  # TRL skips it for one pass
+                with torch.no_grad():
+                    out["old_per_token_logps"] = self._logps(self.model, out,
+                                                             batch_size=self.args.per_device_train_batch_size)
+            old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))  # (B, T); else alpha = 0
+            out["advantages"] = reweight_advantages(adv, old, self.alpha)  # (B, T), Eq. 4, before the split
+            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T), carried by TRL
+            # update_policy's metrics: over the tokens of rows with a gradient, on all processes
+            used = mask & rows_with_gradient(adv, self.beta)[:, None]  # (B, T)
+            weight = reweight_advantages(torch.ones_like(adv), old, self.alpha)  # (B, T), Eq. 4's factor
+            n, w, low = self.accelerator.gather(torch.stack(
+                [used.sum(), (weight * used).sum(), (out["lopti_low"] & used).sum()]).float()[None]).sum(0).tolist()
+            shares = {"low": low, "high": n - low} if self.lopti else {"all": n}
+            for key, value in {"ar_weight": w, **{f"{k}/token_share": v for k, v in shares.items()}}.items():
+                self._metrics["train" if self.model.training else "eval"][key].append(value / n if n else math.nan)
+            return out
+
+        def _compute_loss(self, model, inputs):
+            mask, low, train = inputs["completion_mask"].bool(), inputs["lopti_low"], self.model.training  # (b, T)
+            stage, name = mask, "all"
+            if self.lopti and train:  # this micro-step's replay of the generation batch; first half: first stage
+                second = self._step // self.args.steps_per_generation % self.num_iterations >= self.num_iterations // 2
+                stage, name = (low, "low") if second == (self.lopti_order == "high_first") else (mask & ~low, "high")
+            # DENOM, TRL's "dapo" normaliser: the generation batch's response tokens on all processes, per process
+            # (DDP averages) and per optimiser step = the step's mini-batch's tokens, in both Lopti stages, as in
+            # update_policy (if a pass takes k > 1 steps: the mean mini-batch's count, and TRL shuffles the rows).
+            ga = self.current_gradient_accumulation_steps if train else 1
+            denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            denom = denom * ga / self.args.steps_per_generation if train else denom
+            logp = self._logps(model, inputs)  # (b, T)
+            loss, _ = policy_loss(
+                logp, inputs.get("old_per_token_logps", logp.detach()), inputs["advantages"] * stage, mask,
+                epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, dual_clip=self.dual_clip,
+                ref_logprobs=inputs.get("ref_per_token_logps"), beta=self.beta, kl_mask=stage, num_tokens=denom)
+            # update_policy's {stage}/loss, the optimiser step's loss: TRL averages the logged micro-step values
+            self._metrics["train" if train else "eval"][f"{name}/loss"].append(
+                self.accelerator.gather(loss.detach()[None]).mean().item() * ga)
+            return loss
+
+    return LoptiGRPOTrainer
+
+
+def __getattr__(name: str):
+    """`lopti.LoptiGRPOTrainer` imports TRL on first use; `import lopti` never does."""
+    if name == "LoptiGRPOTrainer":
+        return _lopti_grpo_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def train_trl(cfg: Config) -> Path:
+    """`python lopti.py train --engine trl`: `train`'s K&K run through LoptiGRPOTrainer, in one process or under
+    `accelerate launch`. Writes config.json, metrics.jsonl (a line per RL step) and checkpoint/ in cfg.output_dir;
+    no evaluation (run `lopti.py eval` on checkpoint/) and no --resume."""
+    from transformers import TrainerCallback
+    from trl import GRPOConfig
+
+    out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
+    if any((out / f).exists() for f in ("metrics.jsonl", "checkpoint")):
+        raise FileExistsError(f"{out}/ holds another run; choose another --output_dir")
+    _check_model_name(cfg.model)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
+    if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
+        warnings.warn("--engine trl ignores stop_at_answer: completions run to EOS")
+    tokenizer, rows = load_tokenizer(cfg.model), load_task_data(cfg)[0]
+    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"]]  # templated text: TRL applies no template
+    if tokenizer(prompts[:1])["input_ids"] != tokenizer(prompts[:1], add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{cfg.model}'s tokenizer adds special tokens to the templated prompt (as TRL calls it)")
+    data = datasets.Dataset.from_dict({"prompt": prompts, "solution_text_format": rows["solution_text_format"]})
+
+    def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
+        texts = [THINK_PREFIX + c for c in completions]
+        r = [kk_reward(t, s) for t, s in zip(texts, solution_text_format)]  # Logic-RL's, for the metrics
+        for key, value in (("kk_reward", sum(r)), ("accuracy", r.count(KK_MAX_REWARD)),
+                           ("format_error", r.count(KK_FORMAT_ERROR))):
+            log_metric(key, value / len(r))
+        return [x + cfg.format_reward * kk_format_credit(t, s) if cfg.format_reward else x
+                for x, t, s in zip(r, texts, solution_text_format)]
+
+    per_step = (2 if cfg.lopti else 1) * cfg.num_iterations * B // cfg.mini_batch_size  # optimiser steps per RL step
+    args = GRPOConfig(
+        output_dir=str(out), seed=cfg.seed, max_steps=cfg.steps * per_step, generation_batch_size=B,
+        per_device_train_batch_size=cfg.micro_batch_size, num_generations=cfg.num_generations,
+        temperature=cfg.temperature, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,  # sample from pi_old
+        max_completion_length=cfg.max_completion_length, mask_truncated_completions=cfg.mask_truncated,
+        num_iterations=cfg.num_iterations, loss_type="dapo", beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+        max_grad_norm=cfg.max_grad_norm, disable_dropout=True, gradient_checkpointing=cfg.gradient_checkpointing,
+        bf16=has_bf16(pick_device()), logging_steps=1, report_to="none", ddp_find_unused_parameters=False,
+        save_strategy="steps" if cfg.save_every else "no", save_steps=max(cfg.save_every, 1) * per_step)
+    world = args.world_size  # known once args exist (it reads the launcher's environment)
+    print(f"--engine trl: process {args.process_index} of {world} processes")
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % (cfg.micro_batch_size * world):
+        raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
+                         f"{cfg.mini_batch_size}, itself one of micro_batch_size * {world} processes")
+    args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * world)
+    pending = {}
+
+    class MetricsPerRLStep(TrainerCallback):
+        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
+        written = 0
+
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            for k, v in logs.items():
+                pending.setdefault(k, []).append(v)
+            step, rest = divmod(state.global_step, per_step)
+            if rest or step <= self.written:  # (TRL's end-of-training summary repeats the last step)
+                return
+            nums = {k: [x for x in v if isinstance(x, (int, float))] for k, v in pending.items()}
+            means, self.written = {k: sum(v) / len(v) if v else None for k, v in nums.items()}, step
+            pending.clear()
+            if state.is_world_process_zero:  # "reward": Logic-RL's, as train_step's (TRL's includes format credit)
+                append_jsonl(out / "metrics.jsonl", {**means, "step": step, "reward": means.get("kk_reward")})
+
+    model = load_model(cfg.model, torch.device("cpu"))  # the Trainer moves it to its device
+    trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases and norms
+        model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
+        dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
+        optimizers=(make_optimizer(model, cfg), None), callbacks=[MetricsPerRLStep()])
+    if trainer.accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+    trainer.train()
+    trainer.save_model(str(out / "checkpoint"))
+    return out / "checkpoint"
 
 
 # ====== CLI: python lopti.py {toy,train,eval,plot} [--preset NAME] [--field value ...] ======
@@ -2062,6 +2068,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _field_docs() -> dict[str, str]:
+    """The docstring under each Config field, for --help (the dataclass above is the one place to edit)."""
+    body = ast.parse(inspect.getsource(Config)).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
 def _config_arguments(parser: argparse.ArgumentParser, names) -> None:
     """--preset and one --field (or --field-name) per Config field in `names`; unset fields are absent."""
     parser.add_argument("--preset", choices=sorted(PRESETS), help="settings for a machine size (see PRESETS)")
@@ -2100,13 +2113,6 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (toy, train, evaluate_, plot):
         p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
-
-
-def _field_docs() -> dict[str, str]:
-    """The docstring under each Config field, for --help (the dataclass above is the one place to edit)."""
-    body = ast.parse(inspect.getsource(Config)).body[0].body
-    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
 def resolve_config(args: dict) -> Config:
