@@ -1239,6 +1239,14 @@ _KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 KK_ANSWER_END = "</answer>"
 
 
+def _kk_scan(completion: str) -> tuple[str, list[int], bool]:
+    """Logic-RL's view of a completion: the text after its first "Assistant:" (if any), each tag's first position,
+    and whether every tag of <think></think><answer></answer> occurs exactly once and in that order."""
+    text = completion.split("Assistant:", 1)[-1]
+    positions = [text.find(tag) for tag in _KK_TAGS]
+    return text, positions, all(text.count(tag) == 1 for tag in _KK_TAGS) and positions == sorted(positions)
+
+
 def _kk_role_words(answer: str) -> int:
     lowered = answer.lower()
     return lowered.count("knight") + lowered.count("knave")
@@ -1266,9 +1274,8 @@ def kk_reward(completion, solution_text_format):
     truth = kk_parse_solution(solution_text_format)
     if not isinstance(completion, str):
         return KK_FORMAT_ERROR
-    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
-    positions = [text.find(tag) for tag in _KK_TAGS]
-    if any(text.count(tag) != 1 for tag in _KK_TAGS) or positions != sorted(positions):
+    text, positions, well_formed = _kk_scan(completion)
+    if not well_formed:
         return KK_FORMAT_ERROR
     answer = text[positions[2] + len("<answer>"):positions[3]]  # the only <answer> block
     if _kk_role_words(answer) != len(truth):  # an empty answer (Logic-RL checks it first) fails this as well
@@ -1292,10 +1299,8 @@ def kk_format_credit(completion, solution_text_format) -> float:
     names = list(kk_parse_solution(solution_text_format))
     if not isinstance(completion, str):
         return 0.0
-    text = completion.split("Assistant:", 1)[1] if "Assistant:" in completion else completion
-    once = [text.count(tag) == 1 for tag in _KK_TAGS]
-    positions = [text.find(tag) for tag in _KK_TAGS]
-    credit = sum(once[1:]) / 8 + (all(once) and positions == sorted(positions)) / 8
+    text, _, well_formed = _kk_scan(completion)
+    credit = sum(text.count(tag) == 1 for tag in _KK_TAGS[1:]) / 8 + well_formed / 8
     start = text.find("<answer>")
     answer = "" if start < 0 else text[start + len("<answer>"):].split("</answer>", 1)[0]
     if _kk_role_words(answer) <= len(names):
@@ -1320,6 +1325,19 @@ def load_task_data(cfg: Config):
     if len(evals) == 0:
         raise ValueError("the evaluation set is empty once training puzzles are removed: use other --eval_data")
     return train, evals
+
+
+def kk_rewards(completions: list[str], solutions: list[str], format_reward: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one reward path of training, evaluation and TRL: for completions as generated after the pre-filled
+    THINK_PREFIX, Logic-RL's reward (B,), which judges every run, and the training reward (B,), which adds
+    `format_reward` * kk_format_credit (Config.format_reward; 0, the paper's setting, adds nothing)."""
+    texts = [THINK_PREFIX + c for c in completions]
+    rewards = torch.tensor([kk_reward(t, s) for t, s in zip(texts, solutions)], dtype=torch.float32)  # (B,)
+    if not format_reward:
+        return rewards, rewards
+    credit = torch.tensor([kk_format_credit(t, s) for t, s in zip(texts, solutions)], dtype=torch.float32)  # (B,)
+    return rewards, rewards + format_reward * credit
 
 
 # ====== LLM run: a Hugging Face causal LM on K&K, rollout -> reward -> advantage -> pi_old -> update ======
@@ -1564,7 +1582,7 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i : i + cfg.eval_batch_size]
         batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
-        rewards += [kk_reward(THINK_PREFIX + t, s) for t, s in zip(batch["texts"], chunk["solution_text_format"])]
+        rewards += kk_rewards(batch["texts"], chunk["solution_text_format"])[0].tolist()
         sizes += [len(names) for names in chunk["names"]]
     out = {}
     for n in sorted(set(sizes)):
@@ -1604,15 +1622,11 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
     batch = rollout(model, tokenizer, prompts, cfg, device)
     t1 = time.perf_counter()
-    texts = [THINK_PREFIX + text for text in batch["texts"]]
     solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
-    rewards = torch.tensor([kk_reward(text, sol) for text, sol in zip(texts, solutions)])  # (B,) Logic-RL's
-    credit = torch.tensor([kk_format_credit(text, sol) if cfg.format_reward else 0.0
-                           for text, sol in zip(texts, solutions)])  # (B,)
+    rewards, trained = kk_rewards(batch["texts"], solutions, cfg.format_reward)  # (B,) Logic-RL's, (B,) training
     lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
     if cfg.mask_truncated:
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
-    trained = rewards + cfg.format_reward * credit  # (B,) what the advantages are computed from
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
     # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
     used = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
@@ -1634,13 +1648,14 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
         "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
-        "format_credit": credit.mean().item() if cfg.format_reward else None,
+        "format_credit": ((trained - rewards) / cfg.format_reward).mean().item() if cfg.format_reward else None,
         "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
         "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
         "learning_rate": optimizer.param_groups[0]["lr"], **stats,
         "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
         "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
-        "samples": [{"reward": r, "completion": t} for r, t in zip(rewards[:G].tolist(), texts[:G])],
+        "samples": [{"reward": r, "completion": THINK_PREFIX + t}
+                    for r, t in zip(rewards[:G].tolist(), batch["texts"])],
     }
 
 
@@ -1949,13 +1964,10 @@ def train_trl(cfg: Config) -> Path:
     data = datasets.Dataset.from_dict({"prompt": prompts, "solution_text_format": rows["solution_text_format"]})
 
     def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
-        texts = [THINK_PREFIX + c for c in completions]
-        r = [kk_reward(t, s) for t, s in zip(texts, solution_text_format)]  # Logic-RL's, for the metrics
-        for key, value in (("kk_reward", sum(r)), ("accuracy", r.count(KK_MAX_REWARD)),
-                           ("format_error", r.count(KK_FORMAT_ERROR))):
-            log_metric(key, value / len(r))
-        return [x + cfg.format_reward * kk_format_credit(t, s) if cfg.format_reward else x
-                for x, t, s in zip(r, texts, solution_text_format)]
+        r, trained = kk_rewards(completions, solution_text_format, cfg.format_reward)  # Logic-RL's for the metrics
+        for key, value in (("kk_reward", r), ("accuracy", r == KK_MAX_REWARD), ("format_error", r == KK_FORMAT_ERROR)):
+            log_metric(key, value.float().mean().item())
+        return trained.tolist()
 
     per_step = (2 if cfg.lopti else 1) * cfg.num_iterations * B // cfg.mini_batch_size  # optimiser steps per RL step
     args = GRPOConfig(
