@@ -360,11 +360,9 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     1's weights, keeps the same old log-probs (its ratio already sees stage 1's drift) and the optimiser
     state. Returns per-pass means of the loss statistics and grad norms.
 
-    A row with no gradient in a pass is not computed (no forward, no backward): one with no token of the
-    pass, or, when beta = 0, one whose advantage is 0 (every row of a group whose rewards are all equal). It
-    still counts in its mini-batch's token-mean denominator, so the step is the one computed over every row
-    (tested). With beta = 0 such rows' old_logprobs may hold any value, even NaN: they cannot change the result.
-    Statistics are over the computed rows.
+    A row with no gradient in a pass (no token of the pass, or rows_with_gradient() false) is not computed (no
+    forward, no backward) but still counts in its mini-batch's denominator, so the step is the one computed over
+    every row (tested); with beta = 0 its old_logprobs may hold anything, even NaN. Statistics are over computed rows.
     """
     B = batch["mask"].shape[0]
     mask = batch["mask"].bool()
@@ -377,33 +375,27 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     else:
         stages = [("all", mask)]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    used = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T) the rows that take part
+    active = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T) tokens of rows with a gradient
     weight = reweight_advantages(torch.ones(B, device=mask.device), batch["old_logprobs"], cfg.alpha)  # (B, T)
-    out = {"ar_weight": float(weight[used].mean()) if used.any() else None}
+    out = {"ar_weight": float(weight[active].mean()) if active.any() else None}
     for name, stage_mask in stages:
         t0 = time.perf_counter()
-        # rows with a gradient in this pass: an advantage on a token of the stage, or (beta > 0) a KL term there
-        live = (used & stage_mask).any(1).cpu()  # (B,)
+        in_pass = (active & stage_mask).any(1).cpu()  # (B,) rows with a gradient in this pass
         # token-weighted sums of policy_loss's stats, every key present even if the stage is empty
         token_sums = dict.fromkeys(("clip_high", "clip_low", "clip_dual", "kl_ref", "kl_old"), 0.0)
         losses, grad_norms, total, kl_total, skipped = [], [], 0.0, 0.0, 0
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
                 rows = torch.arange(start, min(start + cfg.mini_batch_size, B))
-                computed = rows[live[rows]]
-                if len(computed) == 0:
-                    # No gradient here: no update (our choice; as far as we know the official code steps anyway).
-                    # A step on a zero gradient would still move the weights through AdamW's momentum and
-                    # weight decay.
-                    continue
-                # Token-mean over the whole mini-batch, in every stage (official code: a Lopti stage is not
-                # renormalised over its own tokens, so the two stages' gradients add up to GRPO's; the
-                # mini-batch-wide count, rather than verl's mean of per-micro-batch means, is our choice: it
-                # makes gradient accumulation exact).
+                todo = rows[in_pass[rows]]  # the rows to compute
+                if len(todo) == 0:  # no gradient: no step (our choice; the official code steps anyway, and a step
+                    continue  # on a zero gradient would still move the weights through AdamW's momentum and decay)
+                # The whole mini-batch's token count, in every stage (policy_loss's num_tokens). Our choice, where
+                # verl averages per-micro-batch token-means: it makes gradient accumulation exact.
                 n = int(mask[rows].sum())
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for micro in computed.split(cfg.micro_batch_size):
+                for micro in todo.split(cfg.micro_batch_size):
                     sub = {k: v[micro] for k, v in batch.items()}
                     loss, stats = policy_loss(
                         logprob_fn(sub), sub["old_logprobs"], adv[micro] * stage_mask[micro], mask[micro],
@@ -428,8 +420,8 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
         out[f"{name}/skipped_steps"] = skipped
         out[f"{name}/loss"] = sum(losses) / max(len(losses), 1)
         out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        out[f"{name}/token_share"] = float((stage_mask & used).sum()) / float(used.sum()) if used.any() else None
-        out[f"{name}/rows"] = float(live.float().mean())
+        out[f"{name}/token_share"] = float((stage_mask & active).sum()) / float(active.sum()) if active.any() else None
+        out[f"{name}/rows"] = float(in_pass.float().mean())
         out[f"time/update_{name}"] = time.perf_counter() - t0
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return out
@@ -1628,11 +1620,10 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     if cfg.mask_truncated:
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
-    # pi_old (and the reference) only where update_policy reads them: with beta = 0, not for zero-advantage rows
-    used = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
-    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, used)  # (B, C), fixed for this step
+    needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,) the rows update_policy reads
+    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C), fixed for this step
     if ref_model is not None:
-        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, used)
+        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)
     t2 = time.perf_counter()
 
     def logprob_fn(micro: dict) -> torch.Tensor:
@@ -1900,10 +1891,10 @@ def _lopti_grpo_trainer_class():
             out["advantages"] = reweight_advantages(adv, old, self.alpha)  # (B, T), Eq. 4, before the split
             out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T), carried by TRL
             # update_policy's metrics: over the tokens of rows with a gradient, on all processes
-            used = mask & rows_with_gradient(adv, self.beta)[:, None]  # (B, T)
+            active = mask & rows_with_gradient(adv, self.beta)[:, None]  # (B, T)
             weight = reweight_advantages(torch.ones_like(adv), old, self.alpha)  # (B, T), Eq. 4's factor
-            n, w, low = self.accelerator.gather(torch.stack(
-                [used.sum(), (weight * used).sum(), (out["lopti_low"] & used).sum()]).float()[None]).sum(0).tolist()
+            sums = torch.stack([active.sum(), (weight * active).sum(), (out["lopti_low"] & active).sum()]).float()
+            n, w, low = self.accelerator.gather(sums[None]).sum(0).tolist()
             shares = {"low": low, "high": n - low} if self.lopti else {"all": n}
             for key, value in {"ar_weight": w, **{f"{k}/token_share": v for k, v in shares.items()}}.items():
                 self._metrics["train" if self.model.training else "eval"][key].append(value / n if n else math.nan)
@@ -2117,12 +2108,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "values override it")
     train.add_argument("--engine", choices=("native", "trl"), default="native", help="native: lopti's own loop "
                        "(one device); trl: LoptiGRPOTrainer, also under `accelerate launch` (pip install trl)")
-    evaluate_ = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
-    _config_arguments(evaluate_, EVAL_FIELDS)
+    eval_cmd = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
+    _config_arguments(eval_cmd, EVAL_FIELDS)
     plot = sub.add_parser("plot", help="reward, accuracy, format errors and Lopti's low share of runs, in one PNG")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding metrics.jsonl")
     plot.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write (default curves.png)")
-    for p in (toy, train, evaluate_, plot):
+    for p in (toy, train, eval_cmd, plot):
         p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
 
