@@ -16,7 +16,8 @@ from lopti import Config
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
-README_BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+README_BLOCKS = [block for doc in ("README.md", "toy/README.md")  # the front page and its measured details
+                 for block in re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)]
 
 
 
@@ -175,7 +176,7 @@ def test_readme_block_runs_as_written(i, monkeypatch):
     if "LoptiGRPOTrainer" in README_BLOCKS[i]:
         pytest.importorskip("trl")  # optional; CI installs it
     monkeypatch.chdir(ROOT)  # (it reads tests/data/kk)
-    exec(compile(README_BLOCKS[i], f"README.md block {i}", "exec"), {"__name__": "readme"})
+    exec(compile(README_BLOCKS[i], f"README block {i}", "exec"), {"__name__": "readme"})
 
 
 def test_ctrl_c_outside_a_resumable_run_says_interrupted_without_resume(monkeypatch, capsys):

@@ -206,8 +206,8 @@ def test_missing_model_messages(tmp_path):
 
 
 def _documented_metric_keys(lopti_on: bool) -> set[str]:
-    """The keys in the README's metrics table; `{stage}` expands to the passes of the run."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The keys in the metrics table of toy/README.md; `{stage}` expands to the passes of the run."""
+    readme = (Path(__file__).resolve().parent.parent / "toy" / "README.md").read_text()
     table = readme.split("## Logged metrics", 1)[1].split("\n## ", 1)[0]
     keys = set()
     for key in re.findall(r"^\| `([^`]+)` \|", table, flags=re.M):
