@@ -932,26 +932,21 @@ def _kk_truth(stmt, masks, full):
             raise ValueError(f"leaf {stmt!r} needs one person index in 0..{len(masks) - 1}")
         return masks[args[0]] if op == "telling-truth" else full ^ masks[args[0]]
     if op not in _KK_OPS:
-        raise ValueError(f"unknown operator {op!r} in {stmt!r}; allowed: telling-truth, lying, "
-                         f"{', '.join(_KK_OPS)}")
+        raise ValueError(f"unknown operator {op!r} in {stmt!r}; allowed: telling-truth, lying, {', '.join(_KK_OPS)}")
     lo, hi = _KK_OPS[op]
     if len(args) < lo or (hi is not None and len(args) > hi):
         raise ValueError(f"operator {op!r} got {len(args)} operand(s) in {stmt!r}")
     vals = [_kk_truth(a, masks, full) for a in args]
     if op == "not":
         return full ^ vals[0]
-    if op == "and":
-        return functools.reduce(lambda x, y: x & y, vals)
-    if op == "or":
-        return functools.reduce(lambda x, y: x | y, vals)
+    if op in ("and", "or"):
+        return functools.reduce((lambda x, y: x & y) if op == "and" else (lambda x, y: x | y), vals)
     if op == "->":
         return (full ^ vals[0]) | vals[1]
     return full ^ (vals[0] ^ vals[1])  # "<=>"
 
 
 KK_MAX_PEOPLE = 12  # solving tries all 2^n assignments; the benchmark's puzzles have 2 to 8 people
-
-
 _KK_MAX_DEPTH = 8  # bracket nesting of a statements string (the benchmark's is 3)
 
 
@@ -973,12 +968,9 @@ def _kk_parse_statements(statements):
 
 
 def kk_solve(statements):
-    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n.
-
-    `statements` is the official tuple (one statement per person) or its string, parsed with
-    ast.literal_eval. Person i is consistent iff (i is a knight) <=> (statement i is true). Assignments
-    come in itertools.product([True, False], repeat=n) order, as in the benchmark's solver.
-    """
+    """Every consistent knight/knave assignment (True = knight), by brute force over all 2^n, for the official
+    statements tuple (one statement per person) or its string. Person i is consistent iff (i is a knight) <=>
+    (statement i is true). Assignments come in itertools.product([True, False], repeat=n) order, as the benchmark's."""
     statements = _kk_parse_statements(statements)
     n = len(statements)
     masks, full = _kk_knight_masks(n), (1 << 2 ** n) - 1
@@ -1034,17 +1026,13 @@ def _kk_solution_texts(names, solution):
 
 
 def kk_generate(n, num_people=(3, 7), seed=0):
-    """`n` K&K puzzles with exactly one solution, in the official schema (KK_FEATURES).
-
-    num_people: an int, or an inclusive (lo, hi) range drawn uniformly per puzzle; allowed 2..8 (the
-    benchmark's sizes; the paper trains on 3..7). Reproducible: everything comes from random.Random(seed).
-    Like the benchmark, a statement tuple is never repeated within one call.
-    """
+    """`n` K&K puzzles with exactly one solution, in the official schema (KK_FEATURES). num_people: an int, or an
+    inclusive (lo, hi) range drawn per puzzle, within 2..8 (the benchmark's sizes; the paper trains on 3..7).
+    Everything comes from random.Random(seed); as in the benchmark, no statement tuple repeats within a call."""
     bounds = (num_people,) * 2 if isinstance(num_people, int) else num_people
     lo, hi = tuple(bounds) if isinstance(bounds, (tuple, list)) and len(bounds) == 2 else (None, None)
     if not (isinstance(lo, int) and isinstance(hi, int) and 2 <= lo <= hi <= 8):
-        raise ValueError(f"num_people must be an int or an inclusive (lo, hi) range within 2..8 with "
-                         f"lo <= hi, got {num_people!r}")
+        raise ValueError(f"num_people must be an int or an inclusive (lo, hi) range within 2..8, got {num_people!r}")
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     rng, seen, rows = random.Random(seed), set(), []
@@ -1057,8 +1045,7 @@ def kk_generate(n, num_people=(3, 7), seed=0):
                 if len(solutions) == 1:
                     break
         else:
-            raise ValueError(f"n={n}: only {len(rows)} distinct {k}-person puzzles found; "
-                             f"ask for fewer puzzles or more people")
+            raise ValueError(f"n={n}: only {len(rows)} distinct {k}-person puzzles found; ask for fewer or more people")
         seen.add(statements)
         names = rng.sample(KK_NAMES, k)
         said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_statement_text(names, s))
@@ -1081,10 +1068,8 @@ def _word_char(text: str, i: int) -> bool:
 
 
 def kk_parse_solution(solution_text_format):
-    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", per line.
-
-    Logic-RL's parse: the first word of letters on each line is the name, the next knight/knave its role.
-    """
+    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", by Logic-RL's parse:
+    the first word of letters on each line is the name, the next knight/knave its role."""
     if not isinstance(solution_text_format, str):
         raise ValueError(f"solution_text_format must be a string, got {type(solution_text_format).__name__}")
     roles = {}
@@ -1097,8 +1082,7 @@ def kk_parse_solution(solution_text_format):
         if role:
             roles[name.group()] = role.group(1).lower()
     if not roles:
-        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: "
-                         f"{solution_text_format!r}")
+        raise ValueError(f"solution_text_format has no 'NAME is a knight/knave' line: {solution_text_format!r}")
     return roles
 
 
@@ -1150,22 +1134,17 @@ _KK_FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".ar
 def kk_load(source):
     """K&K puzzles from a local file or the Hugging Face hub, normalised to KK_FEATURES and validated.
 
-    source: a `.parquet`, `.jsonl` or `.json` path in the K&K benchmark's format (quiz, statements,
-    solution_text_format, ...) or Logic-RL's (the same plus prompt/reward_model; solution_text_format and
-    statements are taken from reward_model.ground_truth when the top-level columns are absent); or a hub
-    dataset "OWNER/NAME", "OWNER/NAME:SPLIT" or "OWNER/NAME:CONFIG/SPLIT" (default split "train"). The
-    benchmark is "K-and-K/knights-and-knaves" with configs "train"/"test" and splits "2ppl".."8ppl", e.g.
-    "K-and-K/knights-and-knaves:test/3ppl". Files and hub go through the same datasets.load_dataset.
-    """
+    source: a `.parquet`, `.jsonl` or `.json` file in the K&K benchmark's format (quiz, statements,
+    solution_text_format, ...) or Logic-RL's (reward_model.ground_truth holds the last two); or a hub dataset
+    "OWNER/NAME[:[CONFIG/]SPLIT]" (split "train" by default), e.g. "K-and-K/knights-and-knaves:test/3ppl"."""
     source = str(source)
     if not os.path.exists(source) and _KK_HUB_NAME.fullmatch(source) \
             and not source.split(":")[0].lower().endswith(_KK_FILE_SUFFIXES):
         name, _, sel = source.partition(":")
         config, _, split = sel.rpartition("/")
-        offline = ("the Hugging Face hub is not reachable (no network, or HF_HUB_OFFLINE=1); pass a local "
-                   ".parquet/.jsonl file or make puzzles with kk_generate(n)")
         if not hub_reachable(name, "dataset"):
-            raise ConnectionError(f"kk_load: could not load {source!r}: {offline}")
+            raise ConnectionError(f"kk_load: could not load {source!r}: the Hugging Face hub is not reachable (no"
+                                  " network, or HF_HUB_OFFLINE=1); pass a local .parquet/.jsonl file or kk_generate(n)")
         try:
             ds = datasets.load_dataset(name, config or None, split=split or "train")
         except OSError as e:  # a missing repo, config or split
@@ -1175,8 +1154,8 @@ def kk_load(source):
         path = Path(source).expanduser()
         builder = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix.lower())
         if builder is None:
-            raise ValueError(f"kk_load: unknown file type {path.suffix!r} for {source!r}; "
-                             f"accepted: .parquet, .jsonl, .json, or a hub dataset name")
+            raise ValueError(f"kk_load: unknown file type {path.suffix!r} for {source!r}; accepted: .parquet, "
+                             ".jsonl, .json, or a hub dataset name")
         if not path.is_file():
             raise FileNotFoundError(f"kk_load: no such file: {source!r}")
         with open(path, "rb") as f:
@@ -1210,14 +1189,9 @@ def kk_load(source):
 
 
 def kk_prompt(tokenizer, quiz):
-    """The prompt text for one quiz: Logic-RL's system prompt, the quiz, and the pre-filled THINK_PREFIX.
-
-    With a chat template this is apply_chat_template([system, user]) + "<think>"; the user turn is
-    quiz + "\\n" because Logic-RL's hand-written ChatML prompt has "{quiz}\\n<|im_end|>", so a Qwen2.5
-    template reproduces the official prompt byte for byte. Without a chat template (base models) a plain
-    "...\\nUser: {quiz}\\nAssistant: <think>" layout, like Logic-RL's base template, is used with a warning
-    (Python's default warning filter shows it once per process).
-    """
+    """The prompt text for one quiz: apply_chat_template([Logic-RL's system prompt, quiz + "\\n"]) + THINK_PREFIX.
+    The "\\n" is Logic-RL's ("{quiz}\\n<|im_end|>"): a Qwen2.5 template reproduces its prompts byte for byte.
+    Without a chat template (base models), Logic-RL's plain "User: ... Assistant: <think>" layout, with a warning."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": KK_SYSTEM_PROMPT}, {"role": "user", "content": quiz + "\n"}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -1257,11 +1231,9 @@ def kk_reward(completion, solution_text_format):
     of <think></think><answer></answer> occurs exactly once and in that order, else -1 and the answer is
     not read (answer -2). Answer (inside <answer>...</answer>): the number of "knight"/"knave" substrings
     must equal the number of people and every name must match r"\\bNAME\\b\\s+is\\s+a\\s+\\b(knight|knave)\\b"
-    (case-insensitive, first match), else -2; then +2 if all roles are right, -1.5 if any is wrong.
-    Logic-RL scores the decoded prompt + response after its first "Assistant:" (else after
-    "<|im_start|>assistant"); its ChatML prompts contain no "Assistant:", so that equals keeping the text
-    after the first "Assistant:" of the assistant text, if any, which is done here. Never raises on model
-    text; a non-string completion scores -3.
+    (case-insensitive, first match), else -2; then +2 if all roles are right, -1.5 if any is wrong. Logic-RL
+    scores the text after the first "Assistant:" (its ChatML prompts have none), as _kk_scan does. Never raises
+    on model text; a non-string completion scores -3.
     """
     truth = kk_parse_solution(solution_text_format)
     if not isinstance(completion, str):
@@ -1279,15 +1251,11 @@ def kk_reward(completion, solution_text_format):
 
 
 def kk_format_credit(completion, solution_text_format) -> float:
-    """Partial credit in [0, 1] toward an answer Logic-RL's scorer can read: an optional shaping term for the
-    *training* reward (Config.format_reward); kk_reward is unchanged and still judges the run.
-
-    Half for the tags: 1/8 for each of </think>, <answer>, </answer> occurring exactly once, 1/8 for all four
-    tags once and in order. Half for the answer: the share of people named "NAME is a knight|knave" after the
-    first <answer> (up to </answer>), and nothing if it holds more role words than people. Empty tags earn 0.5
-    at most: a tag-only term teaches a small model `<answer> </answer>`, this one leads to naming everyone.
-    Not in the paper or the official code (their 3B model formats its answers without help).
-    """
+    """Partial credit in [0, 1] toward an answer Logic-RL's scorer can read, for the *training* reward only
+    (Config.format_reward; not in the paper or the official code, whose 3B model formats without help).
+    Half for the tags: 1/8 for each of </think>, <answer>, </answer> once, 1/8 for all four once and in order.
+    Half for the share of people named "NAME is a knight|knave" after the first <answer> (up to </answer>),
+    nothing if it holds more role words than people: empty tags earn 0.5 at most, so naming everyone pays."""
     names = list(kk_parse_solution(solution_text_format))
     if not isinstance(completion, str):
         return 0.0
