@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import functools
 import inspect
@@ -139,7 +140,7 @@ class Config:
                 raise ValueError(f"{f.name} must be a{' finite' if f.type == 'float' else ''} {f.type}, got {value!r}")
         lo, hi = _people_range(self.num_people)
         at_least = {0: ("epsilon", "epsilon_high", "beta", "weight_decay", "format_reward", "generation_batch_size",
-                        "eval_every", "save_every"),
+                        "eval_every", "save_every", "seed"),
                     1: ("mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
                         "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")}
         checks = [(f, getattr(self, f) >= n, f">= {n}") for n, names in at_least.items() for f in names] + [
@@ -1708,44 +1709,96 @@ def read_jsonl(path: Path) -> list[dict]:
     return [r for r in records if isinstance(r, dict)]
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
-    if path.exists():
-        keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
-        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+def _truncate_logs(out: Path, last_step: int) -> None:
+    """Keep the metrics.jsonl and samples.jsonl lines of steps up to the checkpoint (a torn line is dropped too)."""
+    for path in (out / "metrics.jsonl", out / "samples.jsonl"):
+        if path.exists():
+            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
-def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
-    out = Path(cfg.output_dir)
-    B = cfg.prompts_per_step * cfg.num_generations
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
-                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
-                         f"{cfg.micro_batch_size}")
+def _saved_config(out: Path) -> dict:
+    """The settings the run in `out` was trained with: its config.json, for --resume."""
+    path = out / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} not found: {out}/ holds no run (start it without --resume, or "
+                                "pass the run's --output_dir)")
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--resume: {path} is not valid JSON ({e})") from None
+    unknown = sorted(set(saved) - {f.name for f in fields(Config)})
+    if unknown:
+        raise ValueError(f"--resume: {path} has fields this lopti.py does not know: {unknown} (written by "
+                         "another version?); remove them from the file or use the matching lopti.py")
+    return saved
+
+
+def _check_new_run_folder(out: Path, hint: str = "") -> None:
+    """A new run's --output_dir: a folder (or none yet) that holds no other run; a run is never overwritten."""
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
-    if resume and not (out / "config.json").exists():
-        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
-    if resume and ckpt is None and (out / "checkpoint").is_dir():
+    if any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old")):
+        raise FileExistsError(f"{out}/ holds another run; {hint}choose another --output_dir")
+
+
+@contextlib.contextmanager
+def _run_folder_lock(out: Path):
+    """Held while `train` writes `out`, so a second `train` on it is refused. The OS drops it when the process
+    ends, even on kill -9: a crash never leaves a stale lock. (flock is POSIX: train runs on Linux and macOS.)"""
+    import fcntl
+
+    fd = os.open(out, os.O_RDONLY)  # the folder itself: no lock file is written
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(f"{out}/ is in use by another `train`; wait for it to end, or choose another "
+                                  "--output_dir") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+# What --resume may change: the schedule, evaluation, memory and the folder's place. The resumed run learns what
+# the uninterrupted one would have, to float rounding (update_policy divides by the mini-batch's token count,
+# whatever the micro-batches); generation_batch_size changes which random draw samples which completion.
+RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
+                     "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir")
+
+
+def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict | None]:
+    """--resume: refuse `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE, before
+    anything is loaded or written; load the latest checkpoint's trainer state and drop the lines logged after it.
+    Returns (checkpoint, state), or (None, None) for a run that stopped before its first save: it starts over."""
+    ckpt = latest_checkpoint(cfg.output_dir)
+    if ckpt is None and (out / "checkpoint").is_dir():
         raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
                          "lopti's own runs resume")
-    if not resume and (ckpt is not None or any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl"))):
-        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
-                              "--output_dir")
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in asdict(Config(**saved)).items()
+               if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
+    if changed:
+        raise ValueError(f"--resume: {out}/ was trained with other settings ({', '.join(changed)}); a resumed "
+                         f"run may change only {', '.join(RESUME_MAY_CHANGE)}: start a new --output_dir")
+    if ckpt is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
+        _check_model_name(cfg.model)
     state = None
-    if resume and ckpt:
+    if ckpt:
         try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
             state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
             raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
                              f"({' '.join(str(e).split())[:200]})") from e
-    source = str(ckpt) if state else cfg.model  # the policy (and tokenizer) to start from
-    if state is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
-        _check_model_name(cfg.model)
-    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    device = pick_device()
+        if state["step"] > cfg.steps:
+            raise ValueError(f"--resume: {ckpt} is at step {state['step']}, past --steps {cfg.steps}")
+    _truncate_logs(out, state["step"] if state else 0)
+    return ckpt, state
+
+
+def _run_objects(cfg: Config, ckpt: Path | None, state: dict | None):
+    """The run's device, training and evaluation rows, tokenizer, policy (from the checkpoint when resuming),
+    frozen reference model (beta > 0) and optimiser, with the checkpoint's optimiser and RNG states."""
+    device, source = pick_device(), str(ckpt) if ckpt else cfg.model
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
     tokenizer = load_tokenizer(source)  # before the model: a folder without a tokenizer fails at once
@@ -1755,47 +1808,88 @@ def train(cfg: Config, resume: bool = False) -> Path:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg)
-    start = 0
     if state:
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start = state["step"]
-    if resume:  # drop steps logged after the checkpoint
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            _truncate_metrics(out / name, start)
-    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+    return device, train_rows, eval_rows, tokenizer, model, ref_model, optimizer
 
-    stop = {"requested": False}
 
-    def on_sigint(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
+class Stopped(KeyboardInterrupt):
+    """How a run ends on Ctrl-C or SIGTERM; the CLI exits with 128 + signum (130, 143), as a shell reports it."""
 
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-    step = start
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: dict):
+    """Ctrl-C (SIGINT) and SIGTERM (how Colab, SLURM and Kubernetes stop a job) set stop["signum"]: the run
+    finishes its step, saves and raises Stopped. A second one raises Stopped at once: the last checkpoint stays
+    intact (save_checkpoint's renames)."""
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if stop:
+            raise Stopped(f"{name} again: aborted without saving", signum)
+        stop["signum"] = signum
+        print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again aborts without saving)")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
-        for step in bar:
-            rows = train_rows[step_rows(len(train_rows), cfg, step)]
-            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
-            samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
-            last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
-                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
-            append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
-            append_jsonl(out / "samples.jsonl", samples)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
-                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
-            if stop["requested"]:
-                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
+        yield
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_rows, tokenizer, model, ref_model,
+                optimizer) -> None:
+    """Steps start + 1 .. cfg.steps: each logged, then saved every save_every steps, at the end, and on a stop
+    (which skips the step's evaluation, to save within a short grace period)."""
+    out = Path(cfg.output_dir)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
+    for step in bar:
+        rows = train_rows[step_rows(len(train_rows), cfg, step)]
+        metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
+        samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
+        last = step + 1 == cfg.steps
+        if ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last) and not stop:
+            metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
+        append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
+        append_jsonl(out / "samples.jsonl", samples)
+        bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop:
+            save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
+        if stop:
+            raise Stopped(f"{signal.Signals(stop['signum']).name}: stopped after step {step + 1} and saved it",
+                          stop["signum"])
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ under
+    cfg.output_dir, locked meanwhile. Ctrl-C or SIGTERM: the step is finished and saved, then Stopped is raised."""
+    out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
+                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
+                         f"{cfg.micro_batch_size}")
+    if resume:
+        saved = _saved_config(out)
+    else:
+        _check_new_run_folder(out, "pass --resume to continue it, or ")
+        _check_model_name(cfg.model)
+        out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
+    with _run_folder_lock(out):
+        ckpt, state = _resume_point(cfg, out, saved) if resume else (None, None)
+        objects = _run_objects(cfg, ckpt, state)
+        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+        stop = {}
+        with _stop_on_signals(stop):
+            _train_loop(cfg, state["step"] if state else 0, stop, *objects)
     return out / "checkpoint"
+
 
 
 # --- plots
@@ -1934,10 +2028,7 @@ def train_trl(cfg: Config) -> Path:
     from trl import GRPOConfig
 
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    if any((out / f).exists() for f in ("metrics.jsonl", "checkpoint")):
-        raise FileExistsError(f"{out}/ holds another run; choose another --output_dir")
+    _check_new_run_folder(out)
     _check_model_name(cfg.model)
     out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
     if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
@@ -1974,11 +2065,17 @@ def train_trl(cfg: Config) -> Path:
         raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
                          f"{cfg.mini_batch_size}, itself one of micro_batch_size * {world} processes")
     args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * world)
-    pending = {}
+    pending, stop = {}, {}
 
-    class MetricsPerRLStep(TrainerCallback):
-        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
+    class PerRLStep(TrainerCallback):
+        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps;
+        on Ctrl-C or SIGTERM (_stop_on_signals), a stop with TRL's checkpoint at the end of the RL step."""
         written = 0
+
+        def on_step_end(self, _args, state, control, **kwargs):  # every process stops at the same step
+            if state.global_step % per_step == 0 and trainer.accelerator.gather(
+                    torch.tensor([len(stop)], device=trainer.accelerator.device)).any():
+                control.should_save = control.should_training_stop = True
 
         def on_log(self, _args, state, control, logs=None, **kwargs):
             for k, v in logs.items():
@@ -1996,12 +2093,17 @@ def train_trl(cfg: Config) -> Path:
     trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases and norms
         model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
         dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
-        optimizers=(make_optimizer(model, cfg), None), callbacks=[MetricsPerRLStep()])
+        optimizers=(make_optimizer(model, cfg), None), callbacks=[PerRLStep()])
     if trainer.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-    trainer.train()
+    with _stop_on_signals(stop):
+        trainer.train()
     trainer.save_model(str(out / "checkpoint"))
+    if stop:
+        step = trainer.state.global_step
+        raise Stopped(f"{signal.Signals(stop['signum']).name}: stopped after RL step {step // per_step}, saved in "
+                      f"checkpoint/ and (with the optimiser) in TRL's checkpoint-{step}/", stop["signum"])
     return out / "checkpoint"
 
 
@@ -2102,7 +2204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(train, [f.name for f in fields(Config)])
     train.add_argument("--resume", action="store_true", help="continue the run in --output_dir from its latest "
                        "checkpoint (or from the start if it has none), with its saved config; explicit --field "
-                       "values override it")
+                       f"values may change only {', '.join(RESUME_MAY_CHANGE)}")
     train.add_argument("--engine", choices=("native", "trl"), default="native", help="native: lopti's own loop "
                        "(one device); trl: LoptiGRPOTrainer, also under `accelerate launch` (pip install trl)")
     evaluate_ = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
@@ -2116,24 +2218,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: dict) -> Config:
-    """Defaults < preset < (on --resume) the run's saved config < explicit --field values."""
+    """Defaults < preset < explicit --field values; on --resume the run's config.json replaces the defaults and the
+    preset (train refuses an explicit value outside RESUME_MAY_CHANGE that differs from it)."""
     preset = PRESETS[args["preset"]] if "preset" in args else {}
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
-    values = {**preset, **explicit}
-    if args.get("resume"):
-        saved = Path(values.get("output_dir", Config.output_dir)) / "config.json"
-        if not saved.exists():
-            raise FileNotFoundError(f"--resume: {saved} not found; is --output_dir the run's folder?")
-        try:
-            values = json.loads(saved.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--resume: {saved} is not valid JSON ({e})") from None
-        unknown = sorted(set(values) - {f.name for f in fields(Config)})
-        if unknown:
-            raise ValueError(f"--resume: {saved} has fields this lopti.py does not know: {unknown} (written by "
-                             "another version?); remove them from the file or use the matching lopti.py")
-        values = {**values, **explicit}
-    return Config(**values)
+    if not args.get("resume"):
+        return Config(**{**preset, **explicit})
+    out = {**preset, **explicit}.get("output_dir", Config.output_dir)  # the folder read, wherever the run began
+    return Config(**{**_saved_config(Path(out)), **explicit, "output_dir": out})
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -2149,7 +2241,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line. A user error is one line on stderr and exit code 2 (--debug shows the traceback);
-    Ctrl-C during training saves, then exits 130."""
+    Ctrl-C or SIGTERM during training saves, then exits 130 or 143."""
     args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     cfg = None
     datasets.disable_progress_bars()  # (the puzzles' map/filter bars; transformers' and the run's own stay)
@@ -2176,7 +2268,7 @@ def main(argv: list[str] | None = None) -> int:
         native_run = cfg is not None and args.command == "train" and args.engine == "native"
         hint = "; continue with --resume" if native_run and (Path(cfg.output_dir) / "config.json").exists() else ""
         print(f"lopti.py {args.command}: {str(e) or 'interrupted'}{hint}", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
     except Exception as e:
         if getattr(args, "debug", False):
             raise
