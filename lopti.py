@@ -1709,20 +1709,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [r for r in records if isinstance(r, dict)]
 
 
-def _truncate_logs(out: Path, last_step: int) -> None:
-    """Keep the metrics.jsonl and samples.jsonl lines of steps up to the checkpoint (a torn line is dropped too)."""
-    for path in (out / "metrics.jsonl", out / "samples.jsonl"):
-        if path.exists():
-            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
-            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
 def _saved_config(out: Path) -> dict:
-    """The settings the run in `out` was trained with: its config.json, for --resume."""
+    """The settings the run in `out` was trained with (its config.json), for --resume."""
     path = out / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"--resume: {path} not found: {out}/ holds no run (start it without --resume, or "
-                                "pass the run's --output_dir)")
+        raise FileNotFoundError(f"--resume: {path} not found; is --output_dir the run's folder?")
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -1735,43 +1726,23 @@ def _saved_config(out: Path) -> dict:
 
 
 def _check_new_run_folder(out: Path, hint: str = "") -> None:
-    """A new run's --output_dir: a folder (or none yet) that holds no other run; a run is never overwritten."""
+    """A new run's --output_dir: a folder (or none yet) holding no other run; a run is never overwritten."""
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
     if any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old")):
         raise FileExistsError(f"{out}/ holds another run; {hint}choose another --output_dir")
 
 
-@contextlib.contextmanager
-def _run_folder_lock(out: Path):
-    """Held while `train` writes `out`, so a second `train` on it is refused. The OS drops it when the process
-    ends, even on kill -9: a crash never leaves a stale lock. (flock is POSIX: train runs on Linux and macOS.)"""
-    import fcntl
-
-    fd = os.open(out, os.O_RDONLY)  # the folder itself: no lock file is written
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BlockingIOError(f"{out}/ is in use by another `train`; wait for it to end, or choose another "
-                                  "--output_dir") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-# What --resume may change: the schedule, evaluation, memory and the folder's place. The resumed run learns what
-# the uninterrupted one would have, to float rounding (update_policy divides by the mini-batch's token count,
-# whatever the micro-batches); generation_batch_size changes which random draw samples which completion.
+# What --resume may change: schedule, evaluation, memory and the folder's place, not what the run learns (to float
+# rounding; a new generation_batch_size draws other samples from the same policy).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
                      "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir")
 
 
-def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict | None]:
-    """--resume: refuse `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE, before
-    anything is loaded or written; load the latest checkpoint's trainer state and drop the lines logged after it.
-    Returns (checkpoint, state), or (None, None) for a run that stopped before its first save: it starts over."""
-    ckpt = latest_checkpoint(cfg.output_dir)
+def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict]:
+    """--resume: refuses `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE; loads the
+    latest checkpoint's trainer state (step 0 without one) and drops the lines logged after it."""
+    ckpt, state = latest_checkpoint(cfg.output_dir), {"step": 0}
     if ckpt is None and (out / "checkpoint").is_dir():
         raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
                          "lopti's own runs resume")
@@ -1780,9 +1751,6 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
     if changed:
         raise ValueError(f"--resume: {out}/ was trained with other settings ({', '.join(changed)}); a resumed "
                          f"run may change only {', '.join(RESUME_MAY_CHANGE)}: start a new --output_dir")
-    if ckpt is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
-        _check_model_name(cfg.model)
-    state = None
     if ckpt:
         try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
             state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
@@ -1791,13 +1759,16 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
                              f"({' '.join(str(e).split())[:200]})") from e
         if state["step"] > cfg.steps:
             raise ValueError(f"--resume: {ckpt} is at step {state['step']}, past --steps {cfg.steps}")
-    _truncate_logs(out, state["step"] if state else 0)
+    for path in (out / "metrics.jsonl", out / "samples.jsonl"):  # (and a line torn by a crash mid-write)
+        if path.exists():
+            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= state["step"]]
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
     return ckpt, state
 
 
-def _run_objects(cfg: Config, ckpt: Path | None, state: dict | None):
-    """The run's device, training and evaluation rows, tokenizer, policy (from the checkpoint when resuming),
-    frozen reference model (beta > 0) and optimiser, with the checkpoint's optimiser and RNG states."""
+def _run_objects(cfg: Config, ckpt: Path | None, state: dict):
+    """The run's device, training and evaluation rows, tokenizer, policy (from `ckpt` if resuming), frozen
+    reference model (beta > 0) and optimiser, with the checkpoint's optimiser and RNG states."""
     device, source = pick_device(), str(ckpt) if ckpt else cfg.model
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
@@ -1808,7 +1779,7 @@ def _run_objects(cfg: Config, ckpt: Path | None, state: dict | None):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg)
-    if state:
+    if ckpt:
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
@@ -1817,36 +1788,44 @@ def _run_objects(cfg: Config, ckpt: Path | None, state: dict | None):
 
 
 class Stopped(KeyboardInterrupt):
-    """How a run ends on Ctrl-C or SIGTERM; the CLI exits with 128 + signum (130, 143), as a shell reports it."""
-
+    """A run stopped by Ctrl-C or SIGTERM: the CLI exits with 128 + signum (130, 143), as a shell reports it."""
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signum = signum
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop: dict):
-    """Ctrl-C (SIGINT) and SIGTERM (how Colab, SLURM and Kubernetes stop a job) set stop["signum"]: the run
-    finishes its step, saves and raises Stopped. A second one raises Stopped at once: the last checkpoint stays
-    intact (save_checkpoint's renames)."""
-    def on_signal(signum, frame):
-        name = signal.Signals(signum).name
-        if stop:
-            raise Stopped(f"{name} again: aborted without saving", signum)
-        stop["signum"] = signum
-        print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again aborts without saving)")
+def _run_guard(out: Path, stop: dict, lock: bool = True):
+    """While a run writes `out`: a lock on the folder (flock, Linux and macOS; the OS drops it when the process ends,
+    even on kill -9), so a second run there is refused; Ctrl-C (SIGINT) or SIGTERM (how Colab, SLURM, Kubernetes
+    stop a job) sets stop["signum"]: the run finishes its step, saves and raises Stopped. A second one raises
+    Stopped at once, leaving the last checkpoint intact."""
+    import fcntl
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum, frame):
+        if stop:
+            raise Stopped(f"{signal.Signals(signum).name} again: aborted without saving", signum)
+        stop["signum"] = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
+
+    fd, previous = os.open(out, os.O_RDONLY), {}
     try:
+        try:
+            if lock:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(f"{out}/ is in use by another run; wait for it to end") from None
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        os.close(fd)
 
 
 def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_rows, tokenizer, model, ref_model,
                 optimizer) -> None:
-    """Steps start + 1 .. cfg.steps: each logged, then saved every save_every steps, at the end, and on a stop
+    """Steps start + 1 .. cfg.steps, each logged, then saved every save_every steps, at the end and on a stop
     (which skips the step's evaluation, to save within a short grace period)."""
     out = Path(cfg.output_dir)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
@@ -1869,7 +1848,7 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
 
 def train(cfg: Config, resume: bool = False) -> Path:
     """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ under
-    cfg.output_dir, locked meanwhile. Ctrl-C or SIGTERM: the step is finished and saved, then Stopped is raised."""
+    cfg.output_dir; _run_guard says what a second run, Ctrl-C and SIGTERM do."""
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
     if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
         raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
@@ -1879,15 +1858,15 @@ def train(cfg: Config, resume: bool = False) -> Path:
         saved = _saved_config(out)
     else:
         _check_new_run_folder(out, "pass --resume to continue it, or ")
+    if not resume or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
         _check_model_name(cfg.model)
-        out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    with _run_folder_lock(out):
-        ckpt, state = _resume_point(cfg, out, saved) if resume else (None, None)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
+    stop = {}
+    with _run_guard(out, stop):
+        ckpt, state = _resume_point(cfg, out, saved) if resume else (None, {"step": 0})
         objects = _run_objects(cfg, ckpt, state)
         _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-        stop = {}
-        with _stop_on_signals(stop):
-            _train_loop(cfg, state["step"] if state else 0, stop, *objects)
+        _train_loop(cfg, state["step"], stop, *objects)
     return out / "checkpoint"
 
 
@@ -2069,7 +2048,7 @@ def train_trl(cfg: Config) -> Path:
 
     class PerRLStep(TrainerCallback):
         """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps;
-        on Ctrl-C or SIGTERM (_stop_on_signals), a stop with TRL's checkpoint at the end of the RL step."""
+        on Ctrl-C or SIGTERM (_run_guard), a stop with TRL's checkpoint at the end of the RL step."""
         written = 0
 
         def on_step_end(self, _args, state, control, **kwargs):  # every process stops at the same step
@@ -2094,16 +2073,14 @@ def train_trl(cfg: Config) -> Path:
         model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
         dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
         optimizers=(make_optimizer(model, cfg), None), callbacks=[PerRLStep()])
-    if trainer.accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-    with _stop_on_signals(stop):
+    with _run_guard(out, stop, lock=trainer.accelerator.is_main_process):  # (one lock per folder)
+        if trainer.accelerator.is_main_process:
+            _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
         trainer.train()
-    trainer.save_model(str(out / "checkpoint"))
+        trainer.save_model(str(out / "checkpoint"))
     if stop:
-        step = trainer.state.global_step
-        raise Stopped(f"{signal.Signals(stop['signum']).name}: stopped after RL step {step // per_step}, saved in "
-                      f"checkpoint/ and (with the optimiser) in TRL's checkpoint-{step}/", stop["signum"])
+        raise Stopped(f"{signal.Signals(stop['signum']).name}: stopped after RL step "
+                      f"{trainer.state.global_step // per_step} and saved it in checkpoint/", stop["signum"])
     return out / "checkpoint"
 
 
