@@ -1715,14 +1715,9 @@ def _saved_config(out: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"--resume: {path} not found; is --output_dir the run's folder?")
     try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--resume: {path} is not valid JSON ({e})") from None
-    unknown = sorted(set(saved) - {f.name for f in fields(Config)})
-    if unknown:
-        raise ValueError(f"--resume: {path} has fields this lopti.py does not know: {unknown} (written by "
-                         "another version?); remove them from the file or use the matching lopti.py")
-    return saved
+        return asdict(Config(**json.loads(path.read_text())))
+    except (json.JSONDecodeError, TypeError) as e:  # not JSON, or a field of another version of lopti.py
+        raise ValueError(f"--resume: {path} is not a config.json of this lopti.py ({e})") from None
 
 
 def _check_new_run_folder(out: Path, hint: str = "") -> None:
@@ -1746,7 +1741,7 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
     if ckpt is None and (out / "checkpoint").is_dir():
         raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
                          "lopti's own runs resume")
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in asdict(Config(**saved)).items()
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
                if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
     if changed:
         raise ValueError(f"--resume: {out}/ was trained with other settings ({', '.join(changed)}); a resumed "
@@ -1767,8 +1762,7 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
 
 
 def _run_objects(cfg: Config, ckpt: Path | None, state: dict):
-    """The run's device, training and evaluation rows, tokenizer, policy (from `ckpt` if resuming), frozen
-    reference model (beta > 0) and optimiser, with the checkpoint's optimiser and RNG states."""
+    """Device, training and evaluation rows, tokenizer, policy, frozen reference (beta > 0) and optimiser."""
     device, source = pick_device(), str(ckpt) if ckpt else cfg.model
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
@@ -1789,22 +1783,21 @@ def _run_objects(cfg: Config, ckpt: Path | None, state: dict):
 
 class Stopped(KeyboardInterrupt):
     """A run stopped by Ctrl-C or SIGTERM: the CLI exits with 128 + signum (130, 143), as a shell reports it."""
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
+    def __init__(self, signum: int, what: str):
+        super().__init__(f"{signal.Signals(signum).name}: {what}")
         self.signum = signum
 
 
 @contextlib.contextmanager
 def _run_guard(out: Path, stop: dict, lock: bool = True):
-    """While a run writes `out`: a lock on the folder (flock, Linux and macOS; the OS drops it when the process ends,
-    even on kill -9), so a second run there is refused; Ctrl-C (SIGINT) or SIGTERM (how Colab, SLURM, Kubernetes
-    stop a job) sets stop["signum"]: the run finishes its step, saves and raises Stopped. A second one raises
-    Stopped at once, leaving the last checkpoint intact."""
+    """While a run writes `out`: a lock on the folder (flock; the OS drops it when the process ends, even on kill -9)
+    refuses a second run there; Ctrl-C or SIGTERM (how Colab, SLURM, Kubernetes stop a job) sets stop["signum"]: the
+    run finishes its step, saves and raises Stopped. A second signal raises Stopped at once (the checkpoint stays)."""
     import fcntl
 
     def on_signal(signum, frame):
         if stop:
-            raise Stopped(f"{signal.Signals(signum).name} again: aborted without saving", signum)
+            raise Stopped(signum, "sent twice, aborted without saving")
         stop["signum"] = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
 
@@ -1825,8 +1818,7 @@ def _run_guard(out: Path, stop: dict, lock: bool = True):
 
 def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_rows, tokenizer, model, ref_model,
                 optimizer) -> None:
-    """Steps start + 1 .. cfg.steps, each logged, then saved every save_every steps, at the end and on a stop
-    (which skips the step's evaluation, to save within a short grace period)."""
+    """Steps start + 1 .. cfg.steps; a stop skips the step's evaluation, to save within a short grace period."""
     out = Path(cfg.output_dir)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
     for step in bar:
@@ -1842,18 +1834,15 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop:
             save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
         if stop:
-            raise Stopped(f"{signal.Signals(stop['signum']).name}: stopped after step {step + 1} and saved it",
-                          stop["signum"])
+            raise Stopped(stop["signum"], f"stopped after step {step + 1} and saved it")
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ under
-    cfg.output_dir; _run_guard says what a second run, Ctrl-C and SIGTERM do."""
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ in cfg.output_dir."""
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
     if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
-                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
-                         f"{cfg.micro_batch_size}")
+        raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
+                         f"{cfg.mini_batch_size}, itself one of micro_batch_size = {cfg.micro_batch_size}")
     if resume:
         saved = _saved_config(out)
     else:
@@ -1868,7 +1857,6 @@ def train(cfg: Config, resume: bool = False) -> Path:
         _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
         _train_loop(cfg, state["step"], stop, *objects)
     return out / "checkpoint"
-
 
 
 # --- plots
@@ -2047,11 +2035,10 @@ def train_trl(cfg: Config) -> Path:
     pending, stop = {}, {}
 
     class PerRLStep(TrainerCallback):
-        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps;
-        on Ctrl-C or SIGTERM (_run_guard), a stop with TRL's checkpoint at the end of the RL step."""
+        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
         written = 0
 
-        def on_step_end(self, _args, state, control, **kwargs):  # every process stops at the same step
+        def on_step_end(self, _args, state, control, **kwargs):  # a stop (_run_guard) anywhere: all save, end here
             if state.global_step % per_step == 0 and trainer.accelerator.gather(
                     torch.tensor([len(stop)], device=trainer.accelerator.device)).any():
                 control.should_save = control.should_training_stop = True
@@ -2079,8 +2066,7 @@ def train_trl(cfg: Config) -> Path:
         trainer.train()
         trainer.save_model(str(out / "checkpoint"))
     if stop:
-        raise Stopped(f"{signal.Signals(stop['signum']).name}: stopped after RL step "
-                      f"{trainer.state.global_step // per_step} and saved it in checkpoint/", stop["signum"])
+        raise Stopped(stop["signum"], f"stopped after RL step {trainer.state.global_step // per_step} and saved it")
     return out / "checkpoint"
 
 

@@ -264,7 +264,7 @@ def test_a_second_signal_during_the_save_aborts_and_keeps_the_last_checkpoint(ti
     before = signal.signal(signal.SIGTERM, mine)
     try:
         cfg = tiny_config(tiny_model_dir, tmp_path / "run", steps=5, eval_every=1, save_every=1)
-        with pytest.raises(lopti.Stopped, match="SIGTERM again: aborted") as stopped:
+        with pytest.raises(lopti.Stopped, match="SIGTERM: sent twice, aborted without saving") as stopped:
             lopti.train(cfg)
         assert stopped.value.signum == signal.SIGTERM and len(evaluated) == 2
         assert signal.getsignal(signal.SIGTERM) is mine  # restored
