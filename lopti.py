@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import functools
 import inspect
@@ -139,7 +140,7 @@ class Config:
                 raise ValueError(f"{f.name} must be a{' finite' if f.type == 'float' else ''} {f.type}, got {value!r}")
         lo, hi = _people_range(self.num_people)
         at_least = {0: ("epsilon", "epsilon_high", "beta", "weight_decay", "format_reward", "generation_batch_size",
-                        "eval_every", "save_every"),
+                        "eval_every", "save_every", "seed"),
                     1: ("mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
                         "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")}
         checks = [(f, getattr(self, f) >= n, f">= {n}") for n, names in at_least.items() for f in names] + [
@@ -1682,44 +1683,61 @@ def read_jsonl(path: Path) -> list[dict]:
     return [r for r in records if isinstance(r, dict)]
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the lines of steps up to the checkpoint; a line torn by a crash mid-write is dropped too."""
-    if path.exists():
-        keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
-        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+def _saved_config(out: Path) -> dict:
+    """The settings the run in `out` was trained with (its config.json), for --resume."""
+    path = out / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} not found; is --output_dir the run's folder?")
+    try:
+        return asdict(Config(**json.loads(path.read_text())))
+    except (json.JSONDecodeError, TypeError) as e:  # not JSON, or a field of another version of lopti.py
+        raise ValueError(f"--resume: {path} is not a config.json of this lopti.py ({e})") from None
 
 
-def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl and checkpoint/ under cfg.output_dir."""
-    out = Path(cfg.output_dir)
-    B = cfg.prompts_per_step * cfg.num_generations
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"batch sizes do not divide: prompts_per_step * num_generations = {B} must be a multiple "
-                         f"of mini_batch_size = {cfg.mini_batch_size}, itself a multiple of micro_batch_size = "
-                         f"{cfg.micro_batch_size}")
+def _check_new_run_folder(out: Path, hint: str = "") -> None:
+    """A new run's --output_dir: a folder (or none yet) holding no other run; a run is never overwritten."""
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    ckpt = latest_checkpoint(cfg.output_dir)  # None: a run that crashed before its first save starts over
-    if resume and not (out / "config.json").exists():
-        raise FileNotFoundError(f"--resume: {out}/ holds no run (no config.json); start without --resume")
-    if resume and ckpt is None and (out / "checkpoint").is_dir():
+    if any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old")):
+        raise FileExistsError(f"{out}/ holds another run; {hint}choose another --output_dir")
+
+
+# What --resume may change: schedule, evaluation, memory and the folder's place, not what the run learns (to float
+# rounding; a new generation_batch_size draws other samples from the same policy).
+RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
+                     "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir")
+
+
+def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict]:
+    """--resume: refuses `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE; loads the
+    latest checkpoint's trainer state (step 0 without one) and drops the lines logged after it."""
+    ckpt, state = latest_checkpoint(cfg.output_dir), {"step": 0}
+    if ckpt is None and (out / "checkpoint").is_dir():
         raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
                          "lopti's own runs resume")
-    if not resume and (ckpt is not None or any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl"))):
-        raise FileExistsError(f"{out}/ holds another run; pass --resume to continue it, or choose another "
-                              "--output_dir")
-    state = None
-    if resume and ckpt:
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
+               if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
+    if changed:
+        raise ValueError(f"--resume: {out}/ was trained with other settings ({', '.join(changed)}); a resumed "
+                         f"run may change only {', '.join(RESUME_MAY_CHANGE)}: start a new --output_dir")
+    if ckpt:
         try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
             state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
             raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
                              f"({' '.join(str(e).split())[:200]})") from e
-    source = str(ckpt) if state else cfg.model  # the policy (and tokenizer) to start from
-    if state is None or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
-        _check_model_name(cfg.model)
-    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    device = pick_device()
+        if state["step"] > cfg.steps:
+            raise ValueError(f"--resume: {ckpt} is at step {state['step']}, past --steps {cfg.steps}")
+    for path in (out / "metrics.jsonl", out / "samples.jsonl"):  # (and a line torn by a crash mid-write)
+        if path.exists():
+            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= state["step"]]
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+    return ckpt, state
+
+
+def _run_objects(cfg: Config, ckpt: Path | None, state: dict):
+    """Device, training and evaluation rows, tokenizer, policy, frozen reference (beta > 0) and optimiser."""
+    device, source = pick_device(), str(ckpt) if ckpt else cfg.model
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
     tokenizer = load_tokenizer(source)  # before the model: a folder without a tokenizer fails at once
@@ -1729,46 +1747,89 @@ def train(cfg: Config, resume: bool = False) -> Path:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg)
-    start = 0
-    if state:
+    if ckpt:
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start = state["step"]
-    if resume:  # drop steps logged after the checkpoint
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            _truncate_metrics(out / name, start)
-    _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+    return device, train_rows, eval_rows, tokenizer, model, ref_model, optimizer
 
-    stop = {"requested": False}
 
-    def on_sigint(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts without saving)")
+class Stopped(KeyboardInterrupt):
+    """A run stopped by Ctrl-C or SIGTERM: the CLI exits with 128 + signum (130, 143), as a shell reports it."""
+    def __init__(self, signum: int, what: str):
+        super().__init__(f"{signal.Signals(signum).name}: {what}")
+        self.signum = signum
 
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-    step = start
+
+@contextlib.contextmanager
+def _run_guard(out: Path, stop: dict, lock: bool = True):
+    """While a run writes `out`: a lock on the folder (flock; the OS drops it when the process ends, even on kill -9)
+    refuses a second run there; Ctrl-C or SIGTERM (how Colab, SLURM, Kubernetes stop a job) sets stop["signum"]: the
+    run finishes its step, saves and raises Stopped. A second signal raises Stopped at once (the checkpoint stays)."""
+    import fcntl
+
+    def on_signal(signum, frame):
+        if stop:
+            raise Stopped(signum, "sent twice, aborted without saving")
+        stop["signum"] = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
+
+    fd, previous = os.open(out, os.O_RDONLY), {}
     try:
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
-        for step in bar:
-            rows = train_rows[step_rows(len(train_rows), cfg, step)]
-            metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
-            samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
-            last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
-                metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
-            append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
-            append_jsonl(out / "samples.jsonl", samples)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop["requested"]:
-                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
-            if stop["requested"]:
-                raise KeyboardInterrupt(f"stopped after step {step + 1} and saved it")
+        try:
+            if lock:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(f"{out}/ is in use by another run; wait for it to end") from None
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        yield
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        os.close(fd)
+
+
+def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_rows, tokenizer, model, ref_model,
+                optimizer) -> None:
+    """Steps start + 1 .. cfg.steps; a stop skips the step's evaluation, to save within a short grace period."""
+    out = Path(cfg.output_dir)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
+    for step in bar:
+        rows = train_rows[step_rows(len(train_rows), cfg, step)]
+        metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
+        samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
+        last = step + 1 == cfg.steps
+        if ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last) and not stop:
+            metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
+        append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
+        append_jsonl(out / "samples.jsonl", samples)
+        bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop:
+            save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
+        if stop:
+            raise Stopped(stop["signum"], f"stopped after step {step + 1} and saved it")
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ in cfg.output_dir."""
+    out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
+                         f"{cfg.mini_batch_size}, itself one of micro_batch_size = {cfg.micro_batch_size}")
+    if resume:
+        saved = _saved_config(out)
+    else:
+        _check_new_run_folder(out, "pass --resume to continue it, or ")
+    if not resume or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
+        _check_model_name(cfg.model)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
+    stop = {}
+    with _run_guard(out, stop):
+        ckpt, state = _resume_point(cfg, out, saved) if resume else (None, {"step": 0})
+        objects = _run_objects(cfg, ckpt, state)
+        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+        _train_loop(cfg, state["step"], stop, *objects)
     return out / "checkpoint"
 
 
@@ -1908,10 +1969,7 @@ def train_trl(cfg: Config) -> Path:
     from trl import GRPOConfig
 
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    if any((out / f).exists() for f in ("metrics.jsonl", "checkpoint")):
-        raise FileExistsError(f"{out}/ holds another run; choose another --output_dir")
+    _check_new_run_folder(out)
     _check_model_name(cfg.model)
     out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
     if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
@@ -1945,11 +2003,16 @@ def train_trl(cfg: Config) -> Path:
         raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
                          f"{cfg.mini_batch_size}, itself one of micro_batch_size * {world} processes")
     args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * world)
-    pending = {}
+    pending, stop = {}, {}
 
-    class MetricsPerRLStep(TrainerCallback):
+    class PerRLStep(TrainerCallback):
         """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
         written = 0
+
+        def on_step_end(self, _args, state, control, **kwargs):  # a stop (_run_guard) anywhere: all save, end here
+            if state.global_step % per_step == 0 and trainer.accelerator.gather(
+                    torch.tensor([len(stop)], device=trainer.accelerator.device)).any():
+                control.should_save = control.should_training_stop = True
 
         def on_log(self, _args, state, control, logs=None, **kwargs):
             for k, v in logs.items():
@@ -1967,12 +2030,14 @@ def train_trl(cfg: Config) -> Path:
     trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases and norms
         model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
         dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
-        optimizers=(make_optimizer(model, cfg), None), callbacks=[MetricsPerRLStep()])
-    if trainer.accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-    trainer.train()
-    trainer.save_model(str(out / "checkpoint"))
+        optimizers=(make_optimizer(model, cfg), None), callbacks=[PerRLStep()])
+    with _run_guard(out, stop, lock=trainer.accelerator.is_main_process):  # (one lock per folder)
+        if trainer.accelerator.is_main_process:
+            _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+        trainer.train()
+        trainer.save_model(str(out / "checkpoint"))
+    if stop:
+        raise Stopped(stop["signum"], f"stopped after RL step {trainer.state.global_step // per_step} and saved it")
     return out / "checkpoint"
 
 
@@ -2073,7 +2138,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(train, [f.name for f in fields(Config)])
     train.add_argument("--resume", action="store_true", help="continue the run in --output_dir from its latest "
                        "checkpoint (or from the start if it has none), with its saved config; explicit --field "
-                       "values override it")
+                       f"values may change only {', '.join(RESUME_MAY_CHANGE)}")
     train.add_argument("--engine", choices=("native", "trl"), default="native", help="native: lopti's own loop "
                        "(one device); trl: LoptiGRPOTrainer, also under `accelerate launch` (pip install trl)")
     eval_cmd = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
@@ -2087,24 +2152,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: dict) -> Config:
-    """Defaults < preset < (on --resume) the run's saved config < explicit --field values."""
+    """Defaults < preset < explicit --field values; on --resume the run's config.json replaces the defaults and the
+    preset (train refuses an explicit value outside RESUME_MAY_CHANGE that differs from it)."""
     preset = PRESETS[args["preset"]] if "preset" in args else {}
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
-    values = {**preset, **explicit}
-    if args.get("resume"):
-        saved = Path(values.get("output_dir", Config.output_dir)) / "config.json"
-        if not saved.exists():
-            raise FileNotFoundError(f"--resume: {saved} not found; is --output_dir the run's folder?")
-        try:
-            values = json.loads(saved.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--resume: {saved} is not valid JSON ({e})") from None
-        unknown = sorted(set(values) - {f.name for f in fields(Config)})
-        if unknown:
-            raise ValueError(f"--resume: {saved} has fields this lopti.py does not know: {unknown} (written by "
-                             "another version?); remove them from the file or use the matching lopti.py")
-        values = {**values, **explicit}
-    return Config(**values)
+    if not args.get("resume"):
+        return Config(**{**preset, **explicit})
+    out = {**preset, **explicit}.get("output_dir", Config.output_dir)  # the folder read, wherever the run began
+    return Config(**{**_saved_config(Path(out)), **explicit, "output_dir": out})
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -2120,7 +2175,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line. A user error is one line on stderr and exit code 2 (--debug shows the traceback);
-    Ctrl-C during training saves, then exits 130."""
+    Ctrl-C or SIGTERM during training saves, then exits 130 or 143."""
     args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     cfg = None
     datasets.disable_progress_bars()  # (the puzzles' map/filter bars; transformers' and the run's own stay)
@@ -2147,7 +2202,7 @@ def main(argv: list[str] | None = None) -> int:
         native_run = cfg is not None and args.command == "train" and args.engine == "native"
         hint = "; continue with --resume" if native_run and (Path(cfg.output_dir) / "config.json").exists() else ""
         print(f"lopti.py {args.command}: {str(e) or 'interrupted'}{hint}", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
     except Exception as e:
         if getattr(args, "debug", False):
             raise

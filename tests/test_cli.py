@@ -5,6 +5,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ def train_args(argv: list[str]) -> dict:
     (["--micro_batch_size", "0"], "micro_batch_size"), (["--dual_clip", "1"], "dual_clip"),
     (["--max_grad_norm", "-1"], "max_grad_norm"), (["--weight_decay", "-0.1"], "weight_decay"),
     (["--steps", "0"], "steps"), (["--save_every", "-1"], "save_every"),
-    (["--generation_batch_size", "-2"], "generation_batch_size")])
+    (["--generation_batch_size", "-2"], "generation_batch_size"), (["--seed", "-3"], "seed")])
 def test_bad_config_values(argv, match):
     with pytest.raises(ValueError, match=match):
         lopti.resolve_config(train_args(argv))
@@ -58,10 +61,15 @@ def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(tin
     lopti.train(tiny_config(tiny_model_dir, tmp_path / "b", steps=2))
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a crash after step 3's log line, mid-write
         f.write(json.dumps({"step": 3, "reward": 99.0}) + "\n" + '{"step": 4, "rew')
-    args = train_args(["--resume", "--output_dir", str(tmp_path / "b"), "--steps", "3"])
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    # what may change: memory settings (micro-batches: update_policy divides by the mini-batch's token count)
+    args = train_args(["--resume", "--output_dir", str(tmp_path / "b"), "--steps", "3", "--micro_batch_size", "1",
+                       "--gradient_checkpointing", "true", "--eval_every", "1"])
     cfg = lopti.resolve_config(args)
     assert cfg.model == str(tiny_model_dir) and cfg.steps == 3  # the saved config, with the explicit override
     resumed = lopti.train(cfg, resume=True)
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == {
+        **saved, "steps": 3, "micro_batch_size": 1, "gradient_checkpointing": True, "eval_every": 1}
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # (the torn line and step 3 written before the "crash" are dropped on resume)
     a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, resumed))
@@ -195,3 +203,121 @@ def test_output_dir_under_a_file_fails_before_loading(tmp_path, capsys, monkeypa
     (tmp_path / "f").write_text("")
     assert lopti.main(["train", "--output_dir", str(tmp_path / "f" / "sub"), "--model", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def files(folder: Path) -> dict:
+    """Every file under a run folder, with its bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+TINY_FLAGS = ["--prompts_per_step", "2", "--num_generations", "4", "--max_completion_length", "12",
+              "--mini_batch_size", "4", "--micro_batch_size", "2", "--num_train", "16", "--num_people", "3",
+              "--eval_size", "2", "--eval_every", "0", "--learning_rate", "1e-3"]
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_143(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A scheduler's SIGTERM to `python lopti.py train`: the step in progress is finished and saved, one line, exit
+    143; --resume continues from it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "lopti.py"), "train", "--model", str(tiny_model_dir), "--output_dir", str(out),
+           "--steps", "1000", "--save_every", "0", *TINY_FLAGS]
+    run = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)  # during step 2 or later, with no checkpoint yet (save_every 0)
+    err = run.communicate(timeout=300)[1]
+    steps = [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl")]
+    assert run.returncode == 143, err[-3000:]
+    assert err.splitlines()[-1] == f"lopti.py train: SIGTERM: stopped after step {steps[-1]} and saved it; " \
+                                   "continue with --resume"
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)["step"] == steps[-1] == len(steps)
+    assert [r["step"] for r in lopti.read_jsonl(out / "samples.jsonl")] == steps
+    assert lopti.main(["train", "--resume", "--output_dir", str(out), "--steps", str(len(steps) + 1)]) == 0
+    assert [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl")] == list(range(1, len(steps) + 2))
+
+
+def test_a_second_signal_during_the_save_aborts_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """SIGTERM during step 3 (whose evaluation is then skipped), and again while step 3's checkpoint is written:
+    the save is abandoned, step 2's checkpoint stays, and --resume redoes step 3."""
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    real_step, real_save, evaluated = lopti.train_step, torch.save, []
+
+    def step(*args, **kwargs):
+        if len(evaluated) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    def save(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the second signal, before trainer_state.pt is written
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(lopti, "train_step", step)
+    monkeypatch.setattr(lopti, "evaluate", lambda *a: evaluated.append(1) or {})
+    monkeypatch.setattr(torch, "save", save)
+    def mine(*a):
+        pytest.fail("SIGTERM reached the handler that train replaces")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        cfg = tiny_config(tiny_model_dir, tmp_path / "run", steps=5, eval_every=1, save_every=1)
+        with pytest.raises(lopti.Stopped, match="SIGTERM: sent twice, aborted without saving") as stopped:
+            lopti.train(cfg)
+        assert stopped.value.signum == signal.SIGTERM and len(evaluated) == 2
+        assert signal.getsignal(signal.SIGTERM) is mine  # restored
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    ckpt = lopti.latest_checkpoint(cfg.output_dir)
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 2
+    lopti.load_model(str(ckpt), CPU)  # the weights of step 2 load
+    monkeypatch.undo()
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    lopti.train(dataclasses.replace(cfg, steps=3, eval_every=0), resume=True)
+    assert [r["step"] for r in lopti.read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_refuses_other_settings_before_loading_or_writing(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    out = tmp_path / "run"
+    lopti.train(tiny_config(tiny_model_dir, out, steps=2))
+    before, _ = files(out), capsys.readouterr()
+    monkeypatch.setattr(lopti, "load_task_data", lambda *a: pytest.fail("refused after loading the data"))
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("refused after loading the model"))
+    for flags, match in ((["--alpha", "0.9", "--lopti", "false", "--steps", "4"],
+                          "(alpha 0.3 -> 0.9, lopti True -> False)"),
+                         (["--steps", "1"], "is at step 2, past --steps 1")):
+        assert lopti.main(["train", "--resume", "--output_dir", str(out), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err, err
+        assert files(out) == before  # config.json, the logs and the checkpoint as they were
+
+
+def test_a_folder_in_use_by_another_train_is_refused(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Two `train` commands on one folder: the second is refused while the first holds the folder's lock (here
+    taken as train takes it, by another open file), and nothing is written."""
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    monkeypatch.setattr(lopti, "load_task_data", lambda *a: pytest.fail("refused after loading the data"))
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert lopti.main(["train", "--model", str(tiny_model_dir), "--output_dir", str(out), *TINY_FLAGS]) == 2
+    finally:
+        os.close(fd)
+    assert "in use by another run" in capsys.readouterr().err and files(out) == {}
+
+
+def test_resume_reads_and_writes_the_folder_it_was_given(tmp_path, monkeypatch):
+    """A run folder moved after it began (config.json names the old place) resumes where it is now, also when the
+    folder is the default or the preset's."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / Config.output_dir
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(Config(output_dir="old/place"))))
+    assert lopti.resolve_config(train_args(["--resume"])).output_dir == Config.output_dir

@@ -4,6 +4,7 @@ train_trl runs K&K in one process and under `accelerate launch` (2 CPU processes
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,32 @@ def test_train_trl_writes_one_metrics_line_per_rl_step(sharp_model_dir, tmp_path
     check_metrics(tmp_path / "run")
     with pytest.raises(FileExistsError):
         train_trl(cfg)
+
+
+def test_train_trl_on_sigterm_finishes_the_rl_step_and_saves(sharp_model_dir, tmp_path, monkeypatch):
+    """SIGTERM during RL step 1 of 3: TRL stops at the end of the step (its optimiser steps all taken), saves
+    checkpoint/ and TRL's own checkpoint-2/ (with the optimiser), and Stopped carries the signal."""
+    def mine(*a):
+        pytest.fail("SIGTERM reached the handler that train_trl replaces")
+
+    real_reward, sent = lopti.kk_reward, []
+
+    def reward(*args):  # the first reward is computed during RL step 1: the scheduler's SIGTERM arrives then
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return real_reward(*args)
+
+    monkeypatch.setattr(lopti, "kk_reward", reward)
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(lopti.Stopped, match="SIGTERM: stopped after RL step 1") as stopped:
+            train_trl(lopti.Config(model=str(sharp_model_dir), output_dir=str(tmp_path / "run"), **{**KK, "steps": 3}))
+        assert stopped.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert [m["step"] for m in lopti.read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
+    assert (tmp_path / "run" / "checkpoint" / "config.json").is_file()
+    assert (tmp_path / "run" / "checkpoint-2" / "optimizer.pt").is_file()  # 2 optimiser steps per RL step (Lopti)
 
 
 def test_train_trl_under_accelerate_launch_on_two_cpu_processes(sharp_model_dir, tmp_path):
