@@ -214,9 +214,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     with softmax(z) while sampling from softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
     The chosen logit minus logsumexp is computed in fp32 over chunks of positions, about `chunk_elems` logits each,
     so the (B, T, V) logits never exist whole; under autograd each chunk (and its head) is recomputed in the
-    backward pass (activation checkpointing) instead of being stored. Chunks of positions over the whole vocabulary,
-    not TRL's vocabulary chunks with an online logsumexp: a row of V logits always fits, so torch's own logsumexp
-    and autograd suffice, and memory is O(chunk_elems) all the same.
+    backward pass (activation checkpointing) instead of being stored. Chunks of positions, not TRL's vocabulary
+    chunks with an online logsumexp: a row of V logits always fits, so torch's logsumexp and autograd suffice.
     """
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
@@ -1438,14 +1437,13 @@ def _cache_kwarg(model) -> str:
 
 
 def decoder_and_head(model):
-    """A causal LM's decoder, whose last hidden state has been through the final norm (HF's base_model), and its
-    output layer: model(x).logits == head(decoder(x).last_hidden_state). Models that change the logits after the
-    head (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling) are refused."""
+    """A causal LM's decoder (HF's base_model: its last hidden state is after the final norm) and output layer, so
+    that model(x).logits == head(decoder(x).last_hidden_state); models that rescale logits after it are refused."""
     text = model.config.get_text_config()
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # Gemma 2/3, Cohere, Granite
         if getattr(text, name, None) not in (None, 1):
-            raise ValueError(f"{type(model).__name__} rescales its logits ({name}={getattr(text, name)}); lopti's "
-                             "chunked log-probs support models whose logits are the output layer's (Qwen2, Llama)")
+            raise ValueError(f"{type(model).__name__} rescales its logits ({name}); lopti's chunked log-probs need "
+                             "logits that are the output layer's (as Qwen2's and Llama's are)")
     return model.base_model, model.get_output_embeddings()
 
 
@@ -1478,8 +1476,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     decoder, head = decoder_and_head(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
-    # the prompt's cache is not shared when checkpointing (HF drops the cache then) or for C = 1 (no token follows)
-    if C == 1 or _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):
+    # the prompt's cache is not shared when training with checkpointing (HF drops the cache) or for C = 1
+    if C == 1 or _distinct_rows(input_ids[:, :-C]) == len(input_ids) or (_checkpointing(model) and model.training):
         hidden = decoder(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                          position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state[:, -C:]  # (B, C, H)
     else:
@@ -2059,13 +2057,16 @@ PRESETS: dict[str, dict] = {
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
                 eval_size=16, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
-    # a free Colab GPU (16 GB): Qwen2.5-0.5B-Instruct, 3-5 people, 1k-token completions
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=200, prompts_per_step=8,
-                  num_generations=8, max_completion_length=1024, mini_batch_size=32, micro_batch_size=4,
+    # a free Colab T4 (15 GB, fp32: no bf16), < 3 h: Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512 tokens, no
+    # reference model (+2 GB). tests/bench_memory.py: peak 9.2 GB measured, at most 88 s a step on a T4 (estimated)
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=100, prompts_per_step=4,
+                  num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
                   gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
-    # one large GPU: the paper's Qwen2.5-3B-Instruct run (the Config defaults)
-    # (generation in chunks of 64: the KV cache of 512 x 4.4k tokens of a 3B model would need ~84 GB)
-    "gpu": dict(micro_batch_size=8, generation_batch_size=64, gradient_checkpointing=True, output_dir="runs/gpu"),
+    # one 80 GB GPU (A100/H100), under a day: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and
+    # length, 150 steps. tests/bench_memory.py estimates 59 GB and at most 23 h on an A100 (13 h on an H100)
+    "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
+                generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
+                output_dir="runs/gpu"),
 }
 
 

@@ -508,3 +508,21 @@ def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_checkpoint_stays
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 1
     lopti.load_model(str(ckpt), CPU)  # loads
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_checkpointed_policy_shares_the_prompt_in_pi_old_and_not_in_the_update(tiny_model_dir, monkeypatch):
+    """HF drops the KV cache only when training with gradient checkpointing: pi_old (eval, no grad) still runs a
+    group's prompt once, and equals the update's log-probs, which run every row's prompt."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=8, micro_batch_size=3)
+    torch.manual_seed(0)
+    batch = lopti.rollout(model, tok, ["Zoey is a"] * 3, cfg, CPU)
+    calls, real = [], lopti.prefix_cache
+    monkeypatch.setattr(lopti, "prefix_cache", lambda *a: calls.append(len(a[1])) or real(*a))
+    old = lopti.batched_logprobs(model, batch, cfg, CPU)
+    assert calls == [3]
+    model.train()
+    new = lopti.completion_logprobs(model, batch, cfg.temperature)
+    assert calls == [3] and new.requires_grad
+    torch.testing.assert_close(new.detach(), old, atol=1e-5, rtol=0)
