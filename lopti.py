@@ -201,32 +201,34 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return torch.where(all_equal, torch.zeros_like(adv), adv).view(-1)  # (B,)
 
 
-def _logprobs_fp32(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = logits.float() / temperature  # (n, V), one chunk in fp32
+def _logprobs_fp32(x: torch.Tensor, tokens: torch.Tensor, temperature: float, head) -> torch.Tensor:
+    z = (x if head is None else head(x)).float() / temperature  # (n, V), one chunk of logits in fp32
     return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(dim=-1)  # (n,)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                   chunk_elems: int = 2**24) -> torch.Tensor:
-    """log pi(o_t) = log softmax(z_t / T)[o_t], in float32, for logits (B, T, V) and tokens (B, T).
+                   chunk_elems: int = 2**24, head: torch.nn.Linear | None = None) -> torch.Tensor:
+    """log pi(o_t) = log softmax(z_t / T)[o_t], in float32, for logits (B, T, V) and tokens (B, T); with `head`
+    (an LM's output layer), `logits` are the final hidden states (B, T, H) and z_t = head(h_t).
 
     Every log-prob (current, old, reference) uses the sampling temperature T, as the official actor does: scoring
     with softmax(z) while sampling from softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
-    The chosen logit minus logsumexp is computed in fp32 over chunks of about `chunk_elems` logits, so a
-    bf16 (B, T, 150k) tensor is never copied to fp32 whole; under autograd each chunk is recomputed in the
-    backward pass (activation checkpointing) instead of being stored.
+    The chosen logit minus logsumexp is computed in fp32 over chunks of positions, about `chunk_elems` logits each,
+    so the (B, T, V) logits never exist whole; under autograd each chunk (and its head) is recomputed in the
+    backward pass (activation checkpointing) instead of being stored. Chunks of positions, not TRL's vocabulary
+    chunks with an online logsumexp: a row of V logits always fits, so torch's logsumexp and autograd suffice.
     """
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must be (B, T, V), (B, T)")
-    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V): a view if logits is contiguous, else a copy
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V or H): a view if contiguous, else a copy
     flat_tokens = tokens.reshape(-1)  # (B*T,)
-    rows = max(1, chunk_elems // logits.shape[-1])
-    grad = torch.is_grad_enabled() and logits.requires_grad
+    rows = max(1, chunk_elems // (logits.shape[-1] if head is None else head.out_features))
+    grad = torch.is_grad_enabled() and (logits.requires_grad or head is not None and head.weight.requires_grad)
     out = []
     for i in range(0, flat_logits.shape[0], rows):
-        args = (flat_logits[i : i + rows], flat_tokens[i : i + rows], temperature)
+        args = (flat_logits[i : i + rows], flat_tokens[i : i + rows], temperature, head)
         out.append(checkpoint(_logprobs_fp32, *args, use_reentrant=False) if grad else _logprobs_fp32(*args))
     if not out:
         return torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
@@ -1413,16 +1415,28 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def decoder_and_head(model):
+    """A causal LM's decoder (HF's base_model: its last hidden state is after the final norm) and output layer, so
+    that model(x).logits == head(decoder(x).last_hidden_state); models that rescale logits after it are refused."""
+    text = model.config.get_text_config()
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # Gemma 2/3, Cohere, Granite
+        if getattr(text, name, None) not in (None, 1):
+            raise ValueError(f"{type(model).__name__} rescales its logits ({name}); lopti's chunked log-probs need "
+                             "logits that are the output layer's (as Qwen2's and Llama's are)")
+    return model.base_model, model.get_output_embeddings()
+
+
 def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """The KV cache of left-padded prefixes (B, L), computed once per distinct row (the G rows of a group share
-    their prompt) and indexed back to all B rows, differentiably; and the logits of their last position (B, 1, V)."""
+    their prompt) and indexed back to all B rows, differentiably; and their last position's final hidden state
+    (B, 1, H)."""
     L = input_ids.shape[1]
     rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
-    out = model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True, logits_to_keep=1,
-                position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
+    out = decoder_and_head(model)[0](input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True,
+                                     position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
     cache = out.cache if "cache" in out else out.past_key_values  # transformers 5 renamed it
     cache.batch_select_indices(inverse)
-    return cache, out.logits[inverse]
+    return cache, out.last_hidden_state[inverse, -1:]
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
@@ -1430,26 +1444,27 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
 
     Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
-    exactly as it would alone (models with absolute positions are wrong without them). Only the logits that
-    predict the completion are computed. Rows that share a prompt (a GRPO group) run it once: its KV cache is
-    computed for each distinct prompt and indexed for every row, which skips G - 1 of every G prompt forwards
-    (and their backward); the log-probs agree with one forward per row to float rounding (tested).
+    exactly as it would alone (models with absolute positions are wrong without them). The decoder runs once and
+    token_logprobs applies the output layer to the C hidden states that predict the completion, in chunks, so the
+    (B, C, V) logits never exist whole (in the update either: each chunk is recomputed in backward). Rows that share
+    a prompt (a GRPO group) run it once: its KV cache is computed for each distinct prompt and indexed for every row,
+    which skips G - 1 of every G prompt forwards (and their backward); the log-probs agree with one forward per row
+    to float rounding (tested).
     """
     C = num_completion
+    decoder, head = decoder_and_head(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
-    if _distinct_rows(input_ids[:, :-C]) == len(input_ids) or _checkpointing(model):  # (checkpointing drops HF's cache)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=C + 1, use_cache=False).logits  # (B, C + 1, V)
-        # Score all C + 1 positions against the completion plus a dummy last token and drop that column:
-        # slicing logits[:, :-1] instead would make token_logprobs copy the whole (B, C, V) tensor.
-        return token_logprobs(logits, torch.nn.functional.pad(targets, (0, 1)), temperature)[:, :-1]  # (B, C)
-    cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, V) predicts o_1
-    logits = model(input_ids=targets, attention_mask=attention_mask, position_ids=position_ids[:, -C:],
-                   **{_cache_kwarg(model): cache}).logits  # (B, C, V): position t predicts o_{t+1}
-    head = token_logprobs(first, targets[:, :1], temperature)  # (B, 1)
-    tail = token_logprobs(logits, torch.nn.functional.pad(targets[:, 1:], (0, 1)), temperature)[:, :-1]  # (B, C-1)
-    return torch.cat([head, tail], 1)  # (B, C)
+    # the prompt's cache is not shared when training with checkpointing (HF drops the cache) or for C = 1
+    if C == 1 or _distinct_rows(input_ids[:, :-C]) == len(input_ids) or (_checkpointing(model) and model.training):
+        hidden = decoder(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                         position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state[:, -C:]  # (B, C, H)
+    else:
+        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: (B, 1, H) predicts o_1
+        rest = decoder(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
+                       position_ids=position_ids[:, -C:-1], **{_cache_kwarg(decoder): cache}).last_hidden_state
+        hidden = torch.cat([first, rest], 1)  # (B, C, H): position t predicts o_{t+1}
+    return token_logprobs(hidden, targets, temperature, head=head)  # (B, C)
 
 
 def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1518,19 +1533,31 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
             "texts": texts}
 
 
+def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
+    """sequence_logprobs of a micro-batch's completions (b, C), run only up to its longest completion (`mask`): the
+    columns after it are padding in every row and get 0. Exact (attention is causal), and one long completion in the
+    batch no longer makes every micro-batch pay for it."""
+    C, cols = micro["mask"].shape[1], micro["mask"].any(0).nonzero()
+    c = int(cols[-1]) + 1 if len(cols) else 1
+    end = micro["input_ids"].shape[1] - C + c
+    lp = sequence_logprobs(model, micro["input_ids"][:, :end], micro["attention_mask"][:, :end], c, temperature)
+    return torch.nn.functional.pad(lp, (0, C - c))  # (b, C)
+
+
 @torch.no_grad()
 def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
                      ) -> torch.Tensor:
     """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference.
-    Only the `rows` ((B,) bool) are computed if given; the others are left at 0. Returns (B, C) float32."""
+    Only the `rows` ((B,) bool) are computed if given; the others are left at 0, as are the columns after each
+    micro-batch's longest completion. Returns (B, C) float32."""
     model.eval()
     B, C = batch["mask"].shape
     out = torch.zeros(B, C, device=batch["mask"].device)  # (B, C)
     index = torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()
     for micro in index.split(cfg.micro_batch_size) if len(index) else ():  # an empty tensor splits into one empty part
         with autocast(device):
-            out[micro] = sequence_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro], C,
-                                           cfg.temperature)
+            micro_batch = {k: batch[k][micro] for k in ("input_ids", "attention_mask", "mask")}
+            out[micro] = completion_logprobs(model, micro_batch, cfg.temperature)
     return out
 
 
@@ -1575,13 +1602,24 @@ def peak_memory_gb(device: torch.device) -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def _on_oom(phase: str, lower: str, fn: Callable, *args):
+    """fn(*args); CUDA running out of memory becomes one line naming the phase and the settings to lower. It
+    stops the run before anything is saved, so the last checkpoint stays as it was."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        raise MemoryError(f"out of GPU memory in the {phase}; lower {lower}, then continue with --resume (the last "
+                          "checkpoint is intact)") from None
+
+
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
     """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
     prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
-    batch = rollout(model, tokenizer, prompts, cfg, device)
+    batch = _on_oom("rollout", "--generation_batch_size or --max_completion_length", rollout, model, tokenizer,
+                    prompts, cfg, device)
     t1 = time.perf_counter()
     solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
     rewards, trained = kk_rewards(batch["texts"], solutions, cfg.format_reward)  # (B,) Logic-RL's, (B,) training
@@ -1590,19 +1628,21 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
     needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,) the rows update_policy reads
-    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C), fixed for this step
+    batch["old_logprobs"] = _on_oom("pi_old pass", "--micro_batch_size", batched_logprobs, model, batch, cfg, device,
+                                    needed)  # (B, C), fixed for this step
     if ref_model is not None:
-        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)
+        batch["ref_logprobs"] = _on_oom("reference pass", "--micro_batch_size", batched_logprobs, ref_model, batch,
+                                        cfg, device, needed)
     t2 = time.perf_counter()
 
     def logprob_fn(micro: dict) -> torch.Tensor:
         with autocast(device):
-            return sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["mask"].shape[1],
-                                     cfg.temperature)
+            return completion_logprobs(model, micro, cfg.temperature)
 
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
-    stats = update_policy(cfg, logprob_fn, optimizer, tensors)
+    stats = _on_oom("update", "--micro_batch_size or --max_completion_length (or set --gradient_checkpointing "
+                    "true)", update_policy, cfg, logprob_fn, optimizer, tensors)
     grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -2053,13 +2093,16 @@ PRESETS: dict[str, dict] = {
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
                 eval_size=16, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
-    # a free Colab GPU (16 GB): Qwen2.5-0.5B-Instruct, 3-5 people, 1k-token completions
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=200, prompts_per_step=8,
-                  num_generations=8, max_completion_length=1024, mini_batch_size=32, micro_batch_size=4,
+    # a free Colab T4 (15 GB, fp32: no bf16), < 3 h: Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512 tokens, no
+    # reference model (+2 GB). tests/bench_memory.py: peak 9.2 GB measured, at most 88 s a step on a T4 (estimated)
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=100, prompts_per_step=4,
+                  num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
                   gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
-    # one large GPU: the paper's Qwen2.5-3B-Instruct run (the Config defaults)
-    # (generation in chunks of 64: the KV cache of 512 x 4.4k tokens of a 3B model would need ~84 GB)
-    "gpu": dict(micro_batch_size=8, generation_batch_size=64, gradient_checkpointing=True, output_dir="runs/gpu"),
+    # one 80 GB GPU (A100/H100), under a day: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and
+    # length, 150 steps. tests/bench_memory.py estimates 59 GB and at most 23 h on an A100 (13 h on an H100)
+    "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
+                generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
+                output_dir="runs/gpu"),
 }
 
 
@@ -2206,7 +2249,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if getattr(args, "debug", False):
             raise
-        user = isinstance(e, (ValueError, OSError, ImportError))  # bad value, missing/bad file, no hub, no package
+        user = isinstance(e, (ValueError, OSError, ImportError, MemoryError))  # bad value/file, no hub/package, OOM
         print(f"lopti.py {args.command}: error: {' '.join(str(e).split())}"
               f"{'' if user else f' ({type(e).__name__}; rerun with --debug for the traceback)'}", file=sys.stderr)
         return 2 if user else 1

@@ -419,3 +419,110 @@ def test_plot_skips_a_line_torn_by_a_crash(tiny_model_dir, tmp_path, monkeypatch
     (run / "metrics.jsonl").write_text('{"step": 1, "reward": -3.0, "accuracy": 0.0}\n{"step": 2, "rew')
     assert lopti.main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
 
+
+
+@pytest.mark.parametrize("arch", ["tiny_model_dir", "tiny_gpt2_dir"])
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, None])  # one position per chunk, 7 (divides no C here), one chunk
+def test_chunked_logprobs_equal_the_full_logits_values_and_gradients(arch, rows_per_chunk, request, monkeypatch):
+    """sequence_logprobs applies the output layer chunk by chunk to the final hidden states (recomputed in backward);
+    log-probs and gradients equal those of the model's own full (B, L, V) logits, with and without a shared prompt."""
+    path = request.getfixturevalue(arch)
+    model, tok = lopti.load_model(str(path), CPU).train(), lopti.load_tokenizer(str(path))
+    V = model.get_output_embeddings().out_features
+    real = lopti.token_logprobs
+    chunk = V * rows_per_chunk if rows_per_chunk else 2**24
+    monkeypatch.setattr(lopti, "token_logprobs", lambda *a, **k: real(*a, **k, chunk_elems=chunk))
+    enc = tok(["Who is a knight?", "A very special island. Zoey said"], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    completions = torch.randint(3, len(tok), (6, 9), generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(6, 9, generator=torch.Generator().manual_seed(1))
+    for repeat in (False, True):  # distinct prompts (one forward), then 2 groups of 3 (the shared-prompt path)
+        ids, att = [enc[k].repeat_interleave(3, 0) if repeat else enc[k].repeat(3, 1)
+                    for k in ("input_ids", "attention_mask")]
+        input_ids, attention_mask = torch.cat([ids, completions], 1), torch.cat([att, torch.ones_like(completions)], 1)
+        results = []
+        for chunked in (True, False):
+            model.zero_grad()
+            if chunked:
+                lp = lopti.sequence_logprobs(model, input_ids, attention_mask, 9, 0.7)
+            else:  # today's reference: the model's own logits, log-softmax over the whole vocabulary
+                logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=(attention_mask.cumsum(-1) - 1).clamp_min(0)).logits[:, -10:-1]
+                lp = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, completions[..., None]).squeeze(-1)
+            (lp * weights).sum().backward()
+            results.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+        torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+        for chunked_grad, full_grad in zip(results[0][1], results[1][1]):
+            torch.testing.assert_close(chunked_grad, full_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_each_micro_batch_runs_only_up_to_its_longest_completion(tiny_model_dir, monkeypatch):
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=10, micro_batch_size=2)
+    enc = tok(["Who is a knight?"] * 4, return_tensors="pt", add_special_tokens=False)
+    completions = torch.randint(3, len(tok), (4, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(10) < torch.tensor([[3], [5], [2], [0]])  # micro-batches: longest 5, then 2 (a row of 0)
+    batch = {"input_ids": torch.cat([enc["input_ids"], completions], 1), "mask": mask,
+             "attention_mask": torch.ones(4, enc["input_ids"].shape[1] + 10, dtype=torch.long)}
+    widths, real = [], lopti.sequence_logprobs
+    monkeypatch.setattr(lopti, "sequence_logprobs", lambda m, i, a, c, t: widths.append(c) or real(m, i, a, c, t))
+    out = lopti.batched_logprobs(model, batch, cfg, CPU)
+    assert widths == [5, 2]
+    with torch.no_grad():
+        full = real(model, batch["input_ids"], batch["attention_mask"], 10, cfg.temperature)
+    torch.testing.assert_close(out[mask], full[mask], atol=1e-5, rtol=0)
+    assert (out[:, 5:] == 0).all() and (out[2:, 2:] == 0).all()
+
+
+def test_models_that_rescale_their_logits_are_refused(tiny_model_dir):
+    model = lopti.load_model(str(tiny_model_dir), CPU)
+    model.config.final_logit_softcapping = 30.0  # Gemma 2's tanh cap after the output layer
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        lopti.sequence_logprobs(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), 2, 1.0)
+
+
+@pytest.mark.parametrize("phase,target,lower", [("rollout", "rollout", "generation_batch_size"),
+                                                ("pi_old pass", "batched_logprobs", "micro_batch_size"),
+                                                ("update", "update_policy", "micro_batch_size")])
+def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_checkpoint_stays(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, phase, target, lower):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_model_dir), "--output-dir", str(out), "--steps", "2", "--save-every", "1",
+            "--prompts-per-step", "2", "--num-generations", "4", "--mini-batch-size", "4", "--micro-batch-size", "2",
+            "--max-completion-length", "4", "--num-people", "3", "--num-train", "8", "--eval-every", "0",
+            "--eval-size", "1", "--beta", "0"]
+    calls, real = [], getattr(lopti, target)
+
+    def fail_at_step_2(*a):
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a)
+
+    monkeypatch.setattr(lopti, target, fail_at_step_2)
+    assert lopti.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lopti.py")]  # not progress bars
+    assert len(err) == 1 and f"out of GPU memory in the {phase}; lower --{lower}" in err[0], err
+    ckpt = lopti.latest_checkpoint(str(out))
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 1
+    lopti.load_model(str(ckpt), CPU)  # loads
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_checkpointed_policy_shares_the_prompt_in_pi_old_and_not_in_the_update(tiny_model_dir, monkeypatch):
+    """HF drops the KV cache only when training with gradient checkpointing: pi_old (eval, no grad) still runs a
+    group's prompt once, and equals the update's log-probs, which run every row's prompt."""
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = Config(model=str(tiny_model_dir), max_completion_length=8, micro_batch_size=3)
+    torch.manual_seed(0)
+    batch = lopti.rollout(model, tok, ["Zoey is a"] * 3, cfg, CPU)
+    calls, real = [], lopti.prefix_cache
+    monkeypatch.setattr(lopti, "prefix_cache", lambda *a: calls.append(len(a[1])) or real(*a))
+    old = lopti.batched_logprobs(model, batch, cfg, CPU)
+    assert calls == [3]
+    model.train()
+    new = lopti.completion_logprobs(model, batch, cfg.temperature)
+    assert calls == [3] and new.requires_grad
+    torch.testing.assert_close(new.detach(), old, atol=1e-5, rtol=0)
