@@ -1853,14 +1853,17 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def plot_runs(runs: list[Path], out: Path) -> Path:
-    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
-    line per run (5-step running mean over the raw values), labelled by method and seed."""
+    """`python lopti.py plot`: reward, accuracy, format-error share, Lopti's low-token share and (train
+    --diagnose_every) the top bin's correct-direction ratio of the run's method per step, one line per run
+    (5-step running mean over the raw values), labelled by method and seed."""
     plt = _pyplot()
     if plt is None:
         raise ImportError("plot needs matplotlib: pip install matplotlib")
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
-              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"),
+              ("diagnose/correct_direction/adamw/{m}", "Fig. 3, (.75,1]: A>0 tokens that rose (AdamW probe)"))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
+    top = lambda v: v[3] if isinstance(v, list) else v  # noqa: E731 (a bin list: its top bin)
     for i, run in enumerate(runs):
         if not (run / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
@@ -1869,7 +1872,8 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
         method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
             (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
         for ax, (key, title) in zip(axes, panels):
-            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+            values = [(m["step"], top(m.get(key.format(m=method.lower().replace("+", "_"))))) for m in lines]
+            points = [(s, v) for s, v in values if v is not None]
             if points:
                 x, y = zip(*points)
                 mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]

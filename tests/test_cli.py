@@ -194,3 +194,25 @@ def test_output_dir_under_a_file_fails_before_loading(tmp_path, capsys, monkeypa
     (tmp_path / "f").write_text("")
     assert lopti.main(["train", "--output_dir", str(tmp_path / "f" / "sub"), "--model", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_diagnose_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A model without a chat template, a folder that is not a run's checkpoint, a negative --diagnose_every."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
+    out = tmp_path / "out"
+    for argv, match in ((["diagnose", "--model", str(bare)], "has no chat template"),
+                        (["diagnose", "--checkpoint", str(tiny_model_dir)], "is not a checkpoint of a lopti run"),
+                        (["diagnose", "--diagnose_every", "-1"], "diagnose_every must be >= 0"),
+                        (["train", "--diagnose_every", "-1"], "diagnose_every must be >= 0")):
+        assert lopti.main([*argv, "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err, err
+    assert not out.exists()
