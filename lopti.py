@@ -484,9 +484,10 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
 
     A probe is update_policy itself (Lopti: its two stages) as one optimiser step per pass, from the same weights:
     "sgd" at `sgd_lr` without clip, as Figure 3's caption (SGD, lr 1e-3), or "adamw", the trainer's AdamW at the
-    Config's lr and clip from a fresh state that both Lopti stages share, as in training. The change is exp(new
-    logp) - exp(old logp), as the official code's plots compute it (verl/trainer/fig_plot.py). The weights are
-    restored bit for bit after every probe; the caller's optimiser is not touched."""
+    Config's lr and clip from a fresh state that both Lopti stages share, as in training. (GRPO's SGD probes
+    step along bin_gradients' sums: the step update_policy would take, without recomputing its gradient.) The
+    change is exp(new logp) - exp(old logp), as the official code's plots compute it (verl/trainer/fig_plot.py).
+    The weights are restored bit for bit after every probe; the caller's optimiser is not touched."""
     mask, B = batch["mask"].bool(), batch["mask"].shape[0]
     masks, adv = bin_masks(batch["old_logprobs"], mask), _token_advantages(batch["advantages"], batch["mask"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -494,41 +495,50 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
     share = lambda m: [float((k & m).sum()) / float(m.sum()) if m.any() else None for k in masks]  # noqa: E731
     norm = lambda gs: math.sqrt(sum(float(g.double().square().sum()) for g in gs))  # noqa: E731
     grads = bin_gradients(cfg, model, logprob_fn, batch)
+    grads.append([sum(gs) for gs in zip(*grads)])  # all tokens
     out = {"token_share": {"all": share(mask), "nonzero_advantage": share(mask & (adv != 0))},
-           "grad_norm": {"bins": [norm(g) for g in grads], "all": norm([sum(gs) for gs in zip(*grads)])}}
-    del grads
+           "grad_norm": {"bins": [norm(g) for g in grads[:4]], "all": norm(grads[4])}}
 
     @torch.no_grad()
-    def logprobs_now() -> torch.Tensor:
-        return torch.cat([logprob_fn({k: v[r] for k, v in batch.items()})
-                          for r in torch.arange(B).split(cfg.micro_batch_size)])  # (B, T)
+    def logprobs_now(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(batch["old_logprobs"])  # (B, T); the other rows are not computed
+        for r in rows.split(cfg.micro_batch_size):
+            out[r] = logprob_fn({k: v[r] for k, v in batch.items()}).to(out.dtype)
+        return out
 
-    def probe(method: str, optimiser: str, advantages: torch.Tensor) -> torch.Tensor:
-        clip = cfg.max_grad_norm if optimiser == "adamw" else 1e30  # (1e30: no clip)
-        pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip,
-                               "beta": cfg.beta if "ref_logprobs" in batch else 0.0, **PROBE_METHODS[method]})
-        opt = torch.optim.SGD(params, lr=sgd_lr) if optimiser == "sgd" else make_optimizer(model, pcfg)
-        update_policy(pcfg, logprob_fn, opt, {**batch, "advantages": advantages})
-        after = logprobs_now()
+    def probe(method: str, optimiser: str, advantages: torch.Tensor | None = None, grad=None,
+              rows: torch.Tensor = torch.arange(B)) -> torch.Tensor:
+        if grad is not None:
+            with torch.no_grad():
+                torch._foreach_add_(params, grad, alpha=-sgd_lr)
+        else:
+            clip = cfg.max_grad_norm if optimiser == "adamw" else 1e30  # (1e30: no clip)
+            pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip,
+                                   "beta": cfg.beta if "ref_logprobs" in batch else 0.0, **PROBE_METHODS[method]})
+            opt = torch.optim.SGD(params, lr=sgd_lr) if optimiser == "sgd" else make_optimizer(model, pcfg)
+            update_policy(pcfg, logprob_fn, opt, {**batch, "advantages": advantages})
+        after = logprobs_now(rows)
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
         return after
 
-    before = logprobs_now()  # pi_old by the probes' own forward, so that "rose" compares like with like
+    before = logprobs_now(torch.arange(B))  # pi_old by the probes' own forward: "rose" compares like with like
     in_bin = lambda x, m: [x[k & m] for k in masks]  # noqa: E731
     stat = lambda xs, f: [None if x.numel() == 0 else float(f(x)) for x in xs]  # noqa: E731
-    grpo_all = probe("grpo", "sgd", batch["advantages"])
+    grpo_all = probe("grpo", "sgd", grad=grads[4])
     out["prob_change"] = {}
-    for name, after in (("all", grpo_all), ("lowest_only", probe("grpo", "sgd", adv * masks[0])),
-                        ("highest_only", probe("grpo", "sgd", adv * masks[3]))):
+    for name, after in (("all", grpo_all), ("lowest_only", probe("grpo", "sgd", grad=grads[0])),
+                        ("highest_only", probe("grpo", "sgd", grad=grads[3]))):
         d = in_bin(after.exp() - before.exp(), mask)
         out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0)),
                                     "mean_abs": stat(d, lambda x: x.abs().mean())}
+    del grads  # (memory for the AdamW probes' state)
+    rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
     out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
     for o in out["correct_direction"]:
         for m in PROBE_METHODS:
-            after = grpo_all if (m, o) == ("grpo", "sgd") else probe(m, o, batch["advantages"])
+            after = grpo_all if (m, o) == ("grpo", "sgd") else probe(m, o, batch["advantages"], rows=rows_up)
             out["correct_direction"][o][m] = stat(in_bin((after > before).float(), adv > 0), torch.mean)
     return out
 
@@ -546,8 +556,8 @@ class ToySettings:
     """The toy's knobs; everything not here is lopti.py's Config default (clip ranges, AdamW, grad clip)."""
 
     seed: int = 0
-    steps: int = 100  # RL steps per learning run (part 4: does it learn faster?)
-    seeds: int = 5  # learning runs per method
+    steps: int = 40  # RL steps per learning run (part 4: does it learn faster?)
+    seeds: int = 3  # learning runs per method
     alpha: float = 0.3  # AR, Eq. 4
     eta: float = 0.5  # Lopti's threshold, Algorithm 1
     vocab: int = 64
@@ -565,10 +575,7 @@ class ToySettings:
 
 
 TOY_QUICK = dict(steps=8, seeds=2, measured_batches=2, measure_after=1)  # toy --quick: a few seconds
-TOY_METHODS = {  # Config overrides; "GRPO 2 epochs" matches Lopti's two update passes per step
-    "GRPO": dict(alpha=0.0, lopti=False), "+AR": dict(lopti=False), "+Lopti": dict(alpha=0.0),
-    "+AR+Lopti": dict(), "GRPO 2 epochs": dict(alpha=0.0, lopti=False, num_iterations=2),
-}
+TOY_METHODS = {**PROBE_METHODS, "grpo_2_epochs": dict(alpha=0.0, lopti=False, num_iterations=2)}  # Lopti's 2 passes
 
 
 class ToyLM(torch.nn.Module):
@@ -734,13 +741,13 @@ def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
     is measured by measure_bins (the measurement `python lopti.py diagnose` makes on an LLM), then GRPO updates
     the policy with it. Mean and std over the batches, and per batch each method's top-bin correct-direction
     ratio minus GRPO's (the methods share each batch, so they are compared on it)."""
-    net, cfg = copy.deepcopy(net), toy_config(s, "GRPO")
+    net, cfg = copy.deepcopy(net), toy_config(s, "grpo")
     opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
     measured = []
     for step in range(s.measure_after + s.measured_batches):
         batch = toy_rollout(net, rule, s, gen)
         if step >= s.measure_after:
-            measured.append(measure_bins(toy_config(s, "+AR+Lopti"), net, functools.partial(toy_logprobs, net), batch))
+            measured.append(measure_bins(toy_config(s, "ar_lopti"), net, functools.partial(toy_logprobs, net), batch))
         toy_update(net, opt, cfg, batch)
     out = toy_mean_std(measured)
     def top(m: dict, o: str, k: str) -> float:  # the top bin's ratio (NaN if it is empty)
@@ -825,7 +832,7 @@ def toy_checks(r: dict) -> list[dict]:
             diff = {k: nan([v])[0] for k, v in diff.items()}
             checks.append({"claim": f"3. ({o}) {m} raises the highest bin's correct-direction ratio above GRPO's",
                            "reproduced": diff["mean"] > 0, **toy_paired(diff, n_batches)})
-    for m, ref in (("+AR", "GRPO"), ("+Lopti", "GRPO"), ("+AR+Lopti", "GRPO"), ("+Lopti", "GRPO 2 epochs")):
+    for m, ref in (("ar", "grpo"), ("lopti", "grpo"), ("ar_lopti", "grpo"), ("lopti", "grpo_2_epochs")):
         diff = toy_mean_std([[a - b] for a, b in zip(learn[m]["final"], learn[ref]["final"])])
         diff = {k: v[0] for k, v in diff.items()}
         checks.append({"claim": f"4. {m} ends with a higher reward than {ref}", "reproduced": diff["mean"] > 0,
@@ -851,29 +858,31 @@ def _pyplot():
 
 
 def plot_bins(axes, r: dict, who: str) -> None:
-    """measure_bins' Figure 1 (d) and Figure 3 (`r`) beside the paper's, on two matplotlib axes."""
+    """measure_bins' Figure 1 (a), (d) and Figure 3 (`r`) beside the paper's, on three matplotlib axes."""
     x, nan = torch.arange(4).float(), lambda xs: [math.nan if v is None else v for v in xs]  # noqa: E731
-    paper = PAPER_FIGURES
-    axes[0].bar(x - 0.2, [g / max(r["grad_norm"]["all"], 1e-12) for g in r["grad_norm"]["bins"]], 0.4, label=who)
-    axes[0].bar(x + 0.2, [g / paper["grad_norm"]["all"] for g in paper["grad_norm"]["bins"]], 0.4, label="paper")
-    axes[0].set(title="Fig. 1: grad norm of one bin / all", xticks=x, xticklabels=BIN_NAMES)
-    axes[0].legend()
+    paper, rel = PAPER_FIGURES, lambda g: [v / max(g["all"], 1e-12) for v in g["bins"]]  # noqa: E731
+    for ax, ours, theirs, title in ((axes[0], r["token_share"]["all"], paper["token_share"], "token share"), (
+            axes[1], rel(r["grad_norm"]), rel(paper["grad_norm"]), "grad norm of one bin / all")):
+        ax.bar(x - 0.2, nan(ours), 0.4, label=who)
+        ax.bar(x + 0.2, theirs, 0.4, label="paper")
+        ax.set(title=f"Fig. 1: {title}", xticks=x, xticklabels=BIN_NAMES)
+        ax.legend()
     for i, m in enumerate(PROBE_METHODS):
         for o, ls in (("sgd", "--"), ("adamw", "-")):
-            axes[1].plot(BIN_NAMES, nan(r["correct_direction"][o][m]), marker="o", ls=ls, c=f"C{i}", label=f"{m} {o}")
+            axes[2].plot(BIN_NAMES, nan(r["correct_direction"][o][m]), marker="o", ls=ls, c=f"C{i}", label=f"{m} {o}")
         if m in paper["correct_direction"]:
-            axes[1].plot(BIN_NAMES, paper["correct_direction"][m], ls=":", c=f"C{i}", label=f"paper {m}")
-    axes[1].set(title="Fig. 3: share of A>0 tokens whose pi rose")
-    axes[1].legend(fontsize=6, ncol=2)
+            axes[2].plot(BIN_NAMES, paper["correct_direction"][m], ls=":", c=f"C{i}", label=f"paper {m}")
+    axes[2].set(title="Fig. 3: share of A>0 tokens whose pi rose")
+    axes[2].legend(fontsize=6, ncol=2)
 
 
 def plot_toy(r: dict, path: Path) -> None:
-    """toy.png: the bound, Fig. 1's gradient norms, Fig. 3's ratios and the reward curves."""
+    """toy.png: the bound, Fig. 1's token shares and gradient norms, Fig. 3's ratios and the reward curves."""
     plt = _pyplot()
     if plt is None:
         print("matplotlib is not installed: no toy.png (results.json is complete without it)")
         return
-    fig, ax = plt.subplots(1, 4, figsize=(18, 4))
+    fig, ax = plt.subplots(1, 5, figsize=(22, 4))
     b = r["bound"]["toy tokens"]
     ax[0].bar(["min", "max"], [b["ratio_min"], b["ratio_max"]], color="C0", label="toy tokens")
     ax[0].axhline(b["bound_lo"], ls="--", c="k", label="sqrt(N/(N-1))")
@@ -881,12 +890,12 @@ def plot_toy(r: dict, path: Path) -> None:
     ax[0].set(title="Prop. 4.2: ||grad|| / (1 - pi)", ylim=(0.9, 1.5))
     ax[0].legend()
     means = lambda t: t["mean"] if "mean" in t else {k: means(v) for k, v in t.items()}  # noqa: E731
-    plot_bins(ax[1:3], means(r["figures"]), "toy")
+    plot_bins(ax[1:4], means(r["figures"]), "toy")
     for i, (m, v) in enumerate(r["learning"]["methods"].items()):
-        ax[3].plot(range(1, len(v["curve"]["mean"]) + 1), v["curve"]["mean"], label=m, c=f"C{i}")
-    ax[3].axhline(r["learning"]["threshold"], ls="--", c="gray")
-    ax[3].set(title="reward per step (mean over seeds)", xlabel="RL step")
-    ax[3].legend(fontsize=7)
+        ax[4].plot(range(1, len(v["curve"]["mean"]) + 1), v["curve"]["mean"], label=m, c=f"C{i}")
+    ax[4].axhline(r["learning"]["threshold"], ls="--", c="gray")
+    ax[4].set(title="reward per step (mean over seeds)", xlabel="RL step")
+    ax[4].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -1914,12 +1923,7 @@ def diagnose(cfg: Config) -> Path:
     plt = _pyplot()
     if plt is not None:
         fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-        x = torch.arange(4).float()
-        share = [math.nan if v is None else v for v in r["token_share"]["all"]]
-        ax[0].bar(x - 0.2, share, 0.4, label=Path(cfg.model).name)
-        ax[0].bar(x + 0.2, PAPER_FIGURES["token_share"], 0.4, label="paper")
-        ax[0].set(title="Fig. 1: token share per pi_old bin", xticks=x, xticklabels=BIN_NAMES)
-        plot_bins(ax[1:], r, "this model")
+        plot_bins(ax, r, Path(cfg.model).name)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=100)
         plt.close(fig)

@@ -34,7 +34,7 @@ def test_quick_run_writes_every_section(quick_run):
     assert saved == json.loads(json.dumps(results))
     assert not (out / "results.json.tmp").exists()
     assert all(set(saved["figures"]["correct_direction"][o]) == set(PROBE_METHODS) for o in ("sgd", "adamw"))
-    assert len(saved["learning"]["methods"]["GRPO"]["curve"]["mean"]) == saved["settings"]["steps"]
+    assert len(saved["learning"]["methods"]["grpo"]["curve"]["mean"]) == saved["settings"]["steps"]
 
 
 def test_bound_has_no_violation(quick_run):
@@ -80,7 +80,7 @@ def test_methods_differ_and_alpha_zero_is_grpo():
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert not torch.equal(after[a], after[b]), (a, b)
-    assert torch.equal(_updated_params(net, dataclasses.replace(s, alpha=0.0), "+AR", batch), after["GRPO"])
+    assert torch.equal(_updated_params(net, dataclasses.replace(s, alpha=0.0), "ar", batch), after["grpo"])
 
 
 def test_same_seed_same_json(quick_run, tmp_path):
