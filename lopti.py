@@ -475,19 +475,15 @@ def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, bat
 
 
 def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict, sgd_lr: float = 1e-3) -> dict:
-    """The paper's Figures 1 and 3 on one scored batch (update_policy's `batch`: (B, T) old_logprobs and mask, (B,)
-    advantages) of the policy whose weights are `model`'s and whose `logprob_fn(micro)` gives log-probs with
-    gradients. Returns, per bin (None for an empty one): token_share (all tokens, and those with A != 0),
-    grad_norm (bin_gradients' norms; "all" is the norm of their sum), prob_change (mean, spread and mean size
-    of pi_new - pi_old after one SGD probe of GRPO on all tokens, only the lowest bin, only the highest) and
-    correct_direction (among A > 0 tokens, the share whose pi rose after one probe of each method).
-
-    A probe is update_policy itself (Lopti: its two stages) as one optimiser step per pass, from the same weights:
-    "sgd" at `sgd_lr` without clip, as Figure 3's caption (SGD, lr 1e-3), or "adamw", the trainer's AdamW at the
-    Config's lr and clip from a fresh state that both Lopti stages share, as in training. (GRPO's SGD probes
-    step along bin_gradients' sums: the step update_policy would take, without recomputing its gradient.) The
-    change is exp(new logp) - exp(old logp), as the official code's plots compute it (verl/trainer/fig_plot.py).
-    The weights are restored bit for bit after every probe; the caller's optimiser is not touched."""
+    """Figures 1 and 3 on one scored batch (update_policy's `batch`) of the policy with `model`'s weights and
+    `logprob_fn`. Per bin (None if empty): token_share (of all tokens, of those with A != 0), grad_norm
+    (bin_gradients'; "all": of their sum), prob_change (mean and spread of pi_new - pi_old after one SGD probe of
+    GRPO on all tokens, only the lowest bin, only the highest), correct_direction (the share of A > 0 tokens whose
+    pi rose after one probe of each method). A probe is update_policy (Lopti: both stages), one step per pass from
+    the same weights: "sgd" at `sgd_lr`, no clip (Figure 3's caption: SGD, lr 1e-3; GRPO's steps along the bins'
+    gradient sum, the same step), or "adamw": the trainer's AdamW, lr and clip, fresh state shared by Lopti's two
+    stages as in training. Change = exp(new logp) - exp(old logp), as the official plots (verl/trainer/fig_plot.py).
+    The weights are restored bit for bit after every probe."""
     mask, B = batch["mask"].bool(), batch["mask"].shape[0]
     masks, adv = bin_masks(batch["old_logprobs"], mask), _token_advantages(batch["advantages"], batch["mask"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -531,8 +527,7 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
     for name, after in (("all", grpo_all), ("lowest_only", probe("grpo", "sgd", grad=grads[0])),
                         ("highest_only", probe("grpo", "sgd", grad=grads[3]))):
         d = in_bin(after.exp() - before.exp(), mask)
-        out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0)),
-                                    "mean_abs": stat(d, lambda x: x.abs().mean())}
+        out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
     del grads  # (memory for the AdamW probes' state)
     rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
     out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
@@ -548,7 +543,8 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
 # (prompt, previous token, position) and outputs logits; its weights are shared by every position and
 # prompt, so tokens' gradients interfere as in an LLM. A short supervised warm-up on a noisy teacher
 # makes the sampled-token probabilities U-shaped. Reward = share of tokens that follow the rule. The RL
-# update is update_policy above, unchanged: the toy supplies the policy, the task and the reward.
+# update is update_policy and Figures 1 and 3 are measure_bins, both unchanged: the toy supplies the policy,
+# the task and the reward.
 
 
 @dataclass(frozen=True)
@@ -568,7 +564,7 @@ class ToySettings:
     learning_rate: float = 1e-3
     warmup_steps: int = 60  # supervised steps on the noisy teacher; few, so the policy stays uncertain in places
     teacher_accuracy: float = 0.9
-    measure_after: int = 5  # GRPO steps before the Fig. 1/3 batches, so AdamW's moments are warm (mid-run plots)
+    measure_after: int = 5  # GRPO steps before the Fig. 1/3 batches (mid-run, as the paper's plots)
     measured_batches: int = 8
     threshold_frac: float = 0.5  # threshold = warm-start reward + threshold_frac * (1 - warm-start reward)
     final_window: int = 10  # final reward = mean over the last final_window steps
@@ -670,13 +666,6 @@ def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Gener
             "mask": torch.ones_like(tokens, dtype=torch.bool), "advantages": group_advantages(rewards, s.group)}
 
 
-def toy_update(net: ToyLM, opt, cfg: Config, batch: dict) -> torch.Tensor:
-    """lopti.update_policy on the toy; returns the new log-probs of the batch's tokens (B, T)."""
-    update_policy(cfg, lambda micro: toy_logprobs(net, micro), opt, batch)
-    with torch.no_grad():
-        return toy_logprobs(net, batch)  # (B, T)
-
-
 # --- 1. Prop. 4.2's softmax bound: sqrt(N/(N-1)) (1-pi_j) <= ||e_j - pi|| <= sqrt(2) (1-pi_j)
 
 
@@ -748,7 +737,7 @@ def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
         batch = toy_rollout(net, rule, s, gen)
         if step >= s.measure_after:
             measured.append(measure_bins(toy_config(s, "ar_lopti"), net, functools.partial(toy_logprobs, net), batch))
-        toy_update(net, opt, cfg, batch)
+        update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
     out = toy_mean_std(measured)
     def top(m: dict, o: str, k: str) -> float:  # the top bin's ratio (NaN if it is empty)
         return math.nan if m["correct_direction"][o][k][3] is None else m["correct_direction"][o][k][3]
@@ -775,7 +764,7 @@ def learning_runs(net0: ToyLM, rule: torch.Tensor, s: ToySettings, warm_reward: 
             for _ in range(s.steps):
                 batch = toy_rollout(net, rule, s, gen)
                 curve.append(float(batch["rewards"].mean()))
-                toy_update(net, opt, cfg, batch)
+                update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
             curves.append(curve)
         final = [sum(c[-s.final_window:]) / len(c[-s.final_window:]) for c in curves]
         hit = [next((t + 1 for t, r in enumerate(c) if r >= threshold), None) for c in curves]
@@ -812,7 +801,7 @@ def toy_checks(r: dict) -> list[dict]:
     f, learn, n_batches = r["figures"], r["learning"]["methods"], r["settings"]["measured_batches"]
     nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 (an empty bin compares False)
     share, gn = f["token_share"]["all"]["mean"], f["grad_norm"]["bins"]["mean"]
-    dpi = {k: nan(v["mean_abs"]["mean"]) for k, v in f["prob_change"].items()}
+    dpi = {k: nan(v["std"]["mean"]) for k, v in f["prob_change"].items()}  # how far a bin's tokens move
     checks = [{"claim": c, "reproduced": bool(ok)} for c, ok in (
         ("1. the softmax bound holds on every resolved token", all(b["violations"] == 0 for b in r["bound"].values())),
         ("2. token shares are U-shaped (top bin largest, lowest above both middle bins)",
@@ -1905,8 +1894,7 @@ def diagnose(cfg: Config) -> Path:
     as train_step scores it (the run's reward and format credit, group advantages, pi_old), then measure_bins.
     Writes diagnose_seed<S>.json (its keys: bins, token_share, grad_norm, prob_change, correct_direction, paper)
     and a PNG beside the paper's numbers under cfg.output_dir. The model on disk is only read."""
-    _check_model_name(cfg.model)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)  # (a bad --model fails here, before anything is written)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.model} has no chat template: diagnose measures an instruct model on K&K's chat prompt")
     out = Path(cfg.output_dir) / f"diagnose_seed{cfg.seed}.json"
@@ -2222,14 +2210,13 @@ def resolve_config(args: dict) -> Config:
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     values, ckpt = {**preset, **explicit}, args.get("checkpoint")
     if ckpt is not None and not (ckpt / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"--checkpoint {ckpt} is not a checkpoint of a lopti run (no trainer_state.pt); pass "
-                                "RUN_DIR/checkpoint")
+        raise FileNotFoundError(f"--checkpoint {ckpt} is not a checkpoint of a lopti run (no trainer_state.pt)")
     if args.get("resume") or ckpt is not None:
-        flag = "--checkpoint" if ckpt is not None else "--resume"
-        run = ckpt.parent if ckpt is not None else Path(values.get("output_dir", Config.output_dir))
-        if not (run / "config.json").exists():
-            raise FileNotFoundError(f"{flag}: {run / 'config.json'} not found; is {run} the run's folder?")
+        flag, run = ("--checkpoint", ckpt.parent) if ckpt else (
+            "--resume", Path(values.get("output_dir", Config.output_dir)))
         saved = run / "config.json"
+        if not saved.exists():
+            raise FileNotFoundError(f"{flag}: {saved} not found; is {run} the run's folder?")
         try:
             values = json.loads(saved.read_text())
         except json.JSONDecodeError as e:

@@ -11,7 +11,7 @@ import torch
 
 import lopti
 from lopti import (PROBE_METHODS, TOY_METHODS, ToySettings, bin_masks, bound_check, make_optimizer, toy_config,
-                   toy_rollout, toy_update, toy_warm_start)
+                   toy_logprobs, toy_rollout, toy_warm_start, update_policy)
 
 def toy_main(argv):
     return lopti.toy_main(lopti.build_parser().parse_args(["toy", *argv]))
@@ -67,7 +67,7 @@ def test_bins_partition_the_tokens(quick_run):
 def _updated_params(net, s, method, batch):
     net2 = copy.deepcopy(net)
     cfg = toy_config(s, method)
-    toy_update(net2, make_optimizer(net2, cfg), cfg, batch)
+    update_policy(cfg, lambda micro: toy_logprobs(net2, micro), make_optimizer(net2, cfg), batch)
     return torch.cat([p.detach().flatten() for p in net2.parameters()])
 
 
