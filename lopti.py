@@ -455,10 +455,9 @@ def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> list[list[torch.Tensor]]:
-    """Figure 1 (d): the gradient of GRPO's loss (policy_loss with the Config's clip ranges, no AR, no KL) at
-    pi = pi_old, once per bin with only that bin's advantages kept: 4 lists of per-parameter tensors. The
-    token-mean is over every token of the batch, as in training, so at ratio 1 (where the clipped loss is
-    linear in A) the four add up to the all-token gradient. One forward per micro-batch, four backwards."""
+    """Figure 1 (d): 4 lists of per-parameter gradients of GRPO's policy_loss (no AR, no KL) at pi = pi_old, one per
+    bin with only its advantages kept. Token-mean over the whole batch as in training, so (at ratio 1 the loss is
+    linear in A) they add up to the all-token gradient. One forward per micro-batch, four backwards."""
     params, mask = [p for p in model.parameters() if p.requires_grad], batch["mask"].bool()
     masks, n = bin_masks(batch["old_logprobs"], mask), int(mask.sum())
     grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
@@ -711,8 +710,7 @@ def bound_section(net: ToyLM, batch: dict, s: ToySettings) -> dict:
 
 
 def toy_mean_std(rows: list) -> dict:
-    """Mean and std over batches/seeds of numbers, lists or nested dicts of them, elementwise; None and NaN (an
-    empty bin) are left out."""
+    """Mean and std over batches/seeds of numbers, lists or dicts of them, elementwise; None/NaN left out."""
     if isinstance(rows[0], dict):
         return {k: toy_mean_std([r[k] for r in rows]) for k in rows[0]}
     t = torch.tensor([[math.nan if v is None else v for v in r] if isinstance(r, list) else r for r in rows],
@@ -726,10 +724,8 @@ def toy_mean_std(rows: list) -> dict:
 
 
 def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
-    """A GRPO run from the warm start; after `measure_after` steps, each of the next `measured_batches` batches
-    is measured by measure_bins (the measurement `python lopti.py diagnose` makes on an LLM), then GRPO updates
-    the policy with it. Mean and std over the batches, and per batch each method's top-bin correct-direction
-    ratio minus GRPO's (the methods share each batch, so they are compared on it)."""
+    """A GRPO run from the warm start; measure_bins (as `python lopti.py diagnose`) on `measured_batches` batches
+    after `measure_after` steps. Mean and std over them, and of each method's top-bin ratio minus GRPO's."""
     net, cfg = copy.deepcopy(net), toy_config(s, "grpo")
     opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
     measured = []
@@ -739,9 +735,8 @@ def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
             measured.append(measure_bins(toy_config(s, "ar_lopti"), net, functools.partial(toy_logprobs, net), batch))
         update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
     out = toy_mean_std(measured)
-    def top(m: dict, o: str, k: str) -> float:  # the top bin's ratio (NaN if it is empty)
-        return math.nan if m["correct_direction"][o][k][3] is None else m["correct_direction"][o][k][3]
-
+    top = lambda m, o, k: math.nan if m[o][k][3] is None else m[o][k][3]  # noqa: E731 (NaN: an empty top bin)
+    measured = [m["correct_direction"] for m in measured]
     out["top_bin_minus_grpo"] = {o: {k: toy_mean_std([top(m, o, k) - top(m, o, "grpo") for m in measured])
                                      for k in PROBE_METHODS if k != "grpo"} for o in ("sgd", "adamw")}
     return out
@@ -1890,10 +1885,9 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
 
 
 def diagnose(cfg: Config) -> Path:
-    """`python lopti.py diagnose`: one rollout batch of cfg.model (the prompts of step 1 for cfg.seed), scored
-    as train_step scores it (the run's reward and format credit, group advantages, pi_old), then measure_bins.
-    Writes diagnose_seed<S>.json (its keys: bins, token_share, grad_norm, prob_change, correct_direction, paper)
-    and a PNG beside the paper's numbers under cfg.output_dir. The model on disk is only read."""
+    """`python lopti.py diagnose`: one rollout batch of cfg.model (step 1's prompts for cfg.seed), scored as
+    train_step scores it (reward with format credit, group advantages, pi_old), then measure_bins. Writes
+    diagnose_seed<S>.json and a PNG beside the paper's numbers under cfg.output_dir."""
     tokenizer = load_tokenizer(cfg.model)  # (a bad --model fails here, before anything is written)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.model} has no chat template: diagnose measures an instruct model on K&K's chat prompt")
@@ -1906,8 +1900,7 @@ def diagnose(cfg: Config) -> Path:
     r = {"bins": list(BIN_NAMES), **m["diagnose"], "paper": PAPER_FIGURES}
     out.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(out, json.dumps(r, indent=1) + "\n")
-    print(f"reward {m['reward']:.3f}, zero-std groups {m['zero_std_groups']:.2f}, {time.perf_counter() - t0:.0f} s "
-          f"(rollout {m['time/rollout']:.0f} s, measurement {m['time/diagnose']:.0f} s)")
+    print(f"reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s (measurement {m['time/diagnose']:.0f} s)")
     plt = _pyplot()
     if plt is not None:
         fig, ax = plt.subplots(1, 3, figsize=(15, 4))
