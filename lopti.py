@@ -2251,8 +2251,8 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.warn(f"--preset {values['preset']} is sized for a CUDA GPU and none was found: this will be "
                               "very slow; use --preset cpu on this machine")
             if args.command == "train" and values.get("engine") == "trl":
-                if values.get("resume"):
-                    raise ValueError("--engine trl has no --resume; start a new --output_dir")
+                if values.get("resume") or cfg.diagnose_every:
+                    raise ValueError("--engine trl has no --resume or --diagnose_every; use --engine native")
                 print(f"done: {train_trl(cfg)}")
             elif args.command == "train":
                 print(f"done: {train(cfg, resume=values.get('resume', False))}")
