@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -127,6 +127,8 @@ class Config:
     """Prompts per greedy-generation batch in evaluation."""
     save_every: int = 50
     """Checkpoint every this many steps (and always at the end or on Ctrl-C)."""
+    diagnose_every: int = 0
+    """Log Figures 1 and 3 (measure_bins, ~10 extra update passes) before the update every this many steps (0 = off)."""
     output_dir: str = "runs/lopti"
     """Checkpoints, metrics.jsonl, samples.jsonl and config.json go here."""
     seed: int = 0
@@ -140,7 +142,7 @@ class Config:
                 raise ValueError(f"{f.name} must be a{' finite' if f.type == 'float' else ''} {f.type}, got {value!r}")
         lo, hi = _people_range(self.num_people)
         at_least = {0: ("epsilon", "epsilon_high", "beta", "weight_decay", "format_reward", "generation_batch_size",
-                        "eval_every", "save_every", "seed"),
+                        "eval_every", "save_every", "seed", "diagnose_every"),
                     1: ("mini_batch_size", "micro_batch_size", "num_iterations", "prompts_per_step", "num_generations",
                         "max_completion_length", "num_train", "steps", "eval_size", "eval_batch_size")}
         checks = [(f, getattr(self, f) >= n, f">= {n}") for n, names in at_least.items() for f in names] + [
@@ -430,22 +432,113 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     return out
 
 
+# --- Figures 1 and 3 measured on one scored batch, for any policy: the toy's and `python lopti.py diagnose`'s
+
+BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")  # the paper's pi_old bins (Figures 1 and 3)
+PAPER_FIGURES = {  # the paper's GRPO run on K&K (Qwen2.5-7B-Instruct-1M): Figure 1 (a) and (d), Figure 3
+    "token_share": [0.1922, 0.1015, 0.1009, 0.6054], "grad_norm": {"bins": [0.71, 0.36, 0.24, 0.15], "all": 0.82},
+    "correct_direction": {"grpo": [0.530, 0.514, 0.501, 0.497], "ar": [0.520, 0.525, 0.530, 0.526],
+                          "lopti": [0.524, 0.517, 0.512, 0.534]}}
+PROBE_METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti": dict(alpha=0.0),
+                 "ar_lopti": {}}  # Config overrides; AR and Lopti keep the Config's alpha and eta
+
+
+def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(4, B, T) bool: the completion tokens of each pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1]."""
+    bins = torch.bucketize(old_logprobs.float().exp(), torch.tensor([0.25, 0.5, 0.75], device=mask.device))
+    return torch.stack([(bins == b) & mask.bool() for b in range(4)])
+
+
+def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> list[list[torch.Tensor]]:
+    """Figure 1 (d): 4 lists of per-parameter gradients of GRPO's policy_loss (no AR, no KL) at pi = pi_old, one per
+    bin with only its advantages kept. Token-mean over the whole batch as in training, so (at ratio 1 the loss is
+    linear in A) they add up to the all-token gradient. One forward per micro-batch, four backwards."""
+    params, mask = [p for p in model.parameters() if p.requires_grad], batch["mask"].bool()
+    masks, n = bin_masks(batch["old_logprobs"], mask), int(mask.sum())
+    grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
+    for micro in rows_with_gradient(batch["advantages"], 0.0).nonzero().squeeze(1).cpu().split(cfg.micro_batch_size):
+        sub = {k: v[micro] for k, v in batch.items()}
+        logp = logprob_fn(sub)  # (b, T)
+        for b in range(4):
+            adv = _token_advantages(sub["advantages"], logp) * masks[b][micro]  # (b, T)
+            loss, _ = policy_loss(logp, sub["old_logprobs"], adv, mask[micro], epsilon=cfg.epsilon,
+                                  epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip, num_tokens=n)
+            for g, d in zip(grads[b], torch.autograd.grad(loss, params, retain_graph=b < 3, materialize_grads=True)):
+                g += d
+    return grads
+
+
+def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict, sgd_lr: float = 1e-3) -> dict:
+    """Figures 1 and 3 on one scored batch (update_policy's `batch`) of the policy with `model`'s weights and
+    `logprob_fn`. Per bin (None if empty): token_share (of all tokens, of those with A != 0), grad_norm
+    (bin_gradients'; "all": of their sum), prob_change (mean and spread of pi_new - pi_old after one SGD probe of
+    GRPO on all tokens, only the lowest bin, only the highest), correct_direction (the share of A > 0 tokens whose
+    pi rose after one probe of each method). A probe is update_policy (Lopti: both stages), one step per pass from
+    the same weights: "sgd" at `sgd_lr`, no clip (Figure 3's caption: SGD, lr 1e-3; GRPO's steps along the bins'
+    gradient sum, the same step), or "adamw": the trainer's AdamW, lr and clip, fresh state shared by Lopti's two
+    stages as in training. Change = exp(new logp) - exp(old logp), as the official plots (verl/trainer/fig_plot.py).
+    The weights are restored bit for bit after every probe."""
+    mask, B = batch["mask"].bool(), batch["mask"].shape[0]
+    masks, adv = bin_masks(batch["old_logprobs"], mask), _token_advantages(batch["advantages"], batch["mask"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    share = lambda m: [float((k & m).sum()) / float(m.sum()) if m.any() else None for k in masks]  # noqa: E731
+    norm = lambda gs: math.sqrt(sum(float(g.double().square().sum()) for g in gs))  # noqa: E731
+    grads = bin_gradients(cfg, model, logprob_fn, batch)
+    grads.append([sum(gs) for gs in zip(*grads)])  # all tokens
+    out = {"token_share": {"all": share(mask), "nonzero_advantage": share(mask & (adv != 0))},
+           "grad_norm": {"bins": [norm(g) for g in grads[:4]], "all": norm(grads[4])}}
+
+    @torch.no_grad()
+    def logprobs_now(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(batch["old_logprobs"])  # (B, T); the other rows are not computed
+        for r in rows.split(cfg.micro_batch_size):
+            out[r] = logprob_fn({k: v[r] for k, v in batch.items()}).to(out.dtype)
+        return out
+
+    def probe(method: str, optimiser: str, advantages: torch.Tensor | None = None, grad=None,
+              rows: torch.Tensor = torch.arange(B)) -> torch.Tensor:
+        if grad is not None:
+            with torch.no_grad():
+                torch._foreach_add_(params, grad, alpha=-sgd_lr)
+        else:
+            clip = cfg.max_grad_norm if optimiser == "adamw" else 1e30  # (1e30: no clip)
+            pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip,
+                                   "beta": cfg.beta if "ref_logprobs" in batch else 0.0, **PROBE_METHODS[method]})
+            opt = torch.optim.SGD(params, lr=sgd_lr) if optimiser == "sgd" else make_optimizer(model, pcfg)
+            update_policy(pcfg, logprob_fn, opt, {**batch, "advantages": advantages})
+        after = logprobs_now(rows)
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        return after
+
+    before = logprobs_now(torch.arange(B))  # pi_old by the probes' own forward: "rose" compares like with like
+    in_bin = lambda x, m: [x[k & m] for k in masks]  # noqa: E731
+    stat = lambda xs, f: [None if x.numel() == 0 else float(f(x)) for x in xs]  # noqa: E731
+    grpo_all = probe("grpo", "sgd", grad=grads[4])
+    out["prob_change"] = {}
+    for name, after in (("all", grpo_all), ("lowest_only", probe("grpo", "sgd", grad=grads[0])),
+                        ("highest_only", probe("grpo", "sgd", grad=grads[3]))):
+        d = in_bin(after.exp() - before.exp(), mask)
+        out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
+    del grads  # (memory for the AdamW probes' state)
+    rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
+    out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
+    for o in out["correct_direction"]:
+        for m in PROBE_METHODS:
+            after = grpo_all if (m, o) == ("grpo", "sgd") else probe(m, o, batch["advantages"], rows=rows_up)
+            out["correct_direction"][o][m] = stat(in_bin((after > before).float(), adv > 0), torch.mean)
+    return out
+
+
 # ====== Toy experiment: the paper's mechanism on a softmax policy (Prop. 4.2, Figures 1 and 3) ======
 # A 64-token "language" whose rule is a fixed random next-token table per prompt. A small MLP reads
 # (prompt, previous token, position) and outputs logits; its weights are shared by every position and
 # prompt, so tokens' gradients interfere as in an LLM. A short supervised warm-up on a noisy teacher
 # makes the sampled-token probabilities U-shaped. Reward = share of tokens that follow the rule. The RL
-# update is update_policy above, unchanged: the toy supplies the policy, the task and the reward.
-
-
-TOY_BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
-TOY_PAPER = {  # the paper's GRPO run on K&K: Figure 1's token shares and gradient norms, Figure 3's ratios
-    "share": [0.192, 0.102, 0.101, 0.605],
-    "grad_norm": [0.71, 0.36, 0.24, 0.15], "grad_norm_all": 0.82,
-    "grad_norm_rel": [round(g / 0.82, 3) for g in (0.71, 0.36, 0.24, 0.15)],
-    "correct_dir": {"GRPO": [0.530, 0.514, 0.501, 0.497], "+AR": [0.520, 0.525, 0.530, 0.526],
-                    "+Lopti": [0.524, 0.517, 0.512, 0.534]},
-}
+# update is update_policy and Figures 1 and 3 are measure_bins, both unchanged: the toy supplies the policy,
+# the task and the reward.
 
 
 @dataclass(frozen=True)
@@ -453,8 +546,8 @@ class ToySettings:
     """The toy's knobs; everything not here is lopti.py's Config default (clip ranges, AdamW, grad clip)."""
 
     seed: int = 0
-    steps: int = 100  # RL steps per learning run (part 4: does it learn faster?)
-    seeds: int = 5  # learning runs per method
+    steps: int = 40  # RL steps per learning run (part 4: does it learn faster?)
+    seeds: int = 3  # learning runs per method
     alpha: float = 0.3  # AR, Eq. 4
     eta: float = 0.5  # Lopti's threshold, Algorithm 1
     vocab: int = 64
@@ -465,17 +558,14 @@ class ToySettings:
     learning_rate: float = 1e-3
     warmup_steps: int = 60  # supervised steps on the noisy teacher; few, so the policy stays uncertain in places
     teacher_accuracy: float = 0.9
-    measure_after: int = 5  # GRPO steps before the Fig. 1/3 batches, so AdamW's moments are warm (mid-run plots)
+    measure_after: int = 5  # GRPO steps before the Fig. 1/3 batches (mid-run, as the paper's plots)
     measured_batches: int = 8
-    probe_lr: float = 0.3  # SGD step of the Fig. 1/3 probes, sized so its mean |delta pi| matches AdamW's (seed 0)
     threshold_frac: float = 0.5  # threshold = warm-start reward + threshold_frac * (1 - warm-start reward)
     final_window: int = 10  # final reward = mean over the last final_window steps
 
 
-TOY_METHODS = {  # Config overrides; "GRPO 2 epochs" matches Lopti's two update passes per step
-    "GRPO": dict(alpha=0.0, lopti=False), "+AR": dict(lopti=False), "+Lopti": dict(alpha=0.0),
-    "+AR+Lopti": dict(), "GRPO 2 epochs": dict(alpha=0.0, lopti=False, num_iterations=2),
-}
+TOY_QUICK = dict(steps=8, seeds=2, measured_batches=2, measure_after=1)  # toy --quick: a few seconds
+TOY_METHODS = {**PROBE_METHODS, "grpo_2_epochs": dict(alpha=0.0, lopti=False, num_iterations=2)}  # Lopti's 2 passes
 
 
 class ToyLM(torch.nn.Module):
@@ -570,21 +660,6 @@ def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Gener
             "mask": torch.ones_like(tokens, dtype=torch.bool), "advantages": group_advantages(rewards, s.group)}
 
 
-def toy_update(net: ToyLM, opt, cfg: Config, batch: dict) -> torch.Tensor:
-    """lopti.update_policy on the toy; returns the new log-probs of the batch's tokens (B, T)."""
-    update_policy(cfg, lambda micro: toy_logprobs(net, micro), opt, batch)
-    with torch.no_grad():
-        return toy_logprobs(net, batch)  # (B, T)
-
-
-def toy_fork(net: ToyLM, opt, cfg: Config):
-    """A copy of the policy and of AdamW's state, so each what-if update starts from the same point."""
-    net2 = copy.deepcopy(net)
-    opt2 = make_optimizer(net2, cfg)
-    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
-    return net2, opt2
-
-
 # --- 1. Prop. 4.2's softmax bound: sqrt(N/(N-1)) (1-pi_j) <= ||e_j - pi|| <= sqrt(2) (1-pi_j)
 
 
@@ -629,57 +704,12 @@ def bound_section(net: ToyLM, batch: dict, s: ToySettings) -> dict:
 # --- 2 and 3. Figures 1 and 3 in miniature, on GRPO batches
 
 
-def prob_bins(old_logprobs: torch.Tensor) -> torch.Tensor:
-    """Bin index 0..3 of each token by pi_old: [0,.25], (.25,.5], (.5,.75], (.75,1] (Fig. 1)."""
-    return torch.bucketize(old_logprobs.exp(), torch.tensor([0.25, 0.5, 0.75]))  # (B, T) long
-
-
-def toy_grad_norm(net: ToyLM, cfg: Config, batch: dict, adv: torch.Tensor) -> float:
-    """||grad of policy_loss|| over all parameters at pi = pi_old, advantages `adv` (B, T), token-mean over
-    every token (a bin's gradient is its share of the full one, as in Fig. 1's middle panel)."""
-    loss, _ = policy_loss(toy_logprobs(net, batch), batch["old_logprobs"], adv, batch["mask"],
-                          epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip)
-    grads = torch.autograd.grad(loss, list(net.parameters()))
-    return float(torch.sqrt(sum((g * g).sum() for g in grads)))
-
-
-def measure_batch(net: ToyLM, opt, batch: dict, s: ToySettings) -> dict:
-    """Fig. 1 (share, per-bin gradient norm, |delta pi| per bin after updating all / lowest / highest bin)
-    and Fig. 3 (share of A > 0 tokens whose probability rose, per bin and method) on one batch.
-
-    Every what-if update is lopti.update_policy on a copy of the policy. Two optimisers: a plain gradient
-    step (SGD, `probe_lr`), which shows what the batch's gradient itself does, and a copy of the run's
-    AdamW with its moments, whose step is mostly momentum from earlier batches."""
-    bins = prob_bins(batch["old_logprobs"])  # (B, T)
-    in_bin = [(bins == b) & batch["mask"] for b in range(4)]  # 4 x (B, T)
-    adv = batch["advantages"][:, None].expand_as(bins)  # (B, T)
-    mean_in = lambda x, m: float(x[m].mean()) if m.any() else float("nan")  # noqa: E731
-    grpo = toy_config(s, "GRPO")
-
-    def updated(method: str, optimiser: str, advantages: torch.Tensor) -> torch.Tensor:
-        cfg = toy_config(s, method)
-        if optimiser == "sgd":
-            net2 = copy.deepcopy(net)
-            opt2 = torch.optim.SGD(net2.parameters(), lr=s.probe_lr)
-        else:
-            net2, opt2 = toy_fork(net, opt, cfg)
-        return toy_update(net2, opt2, cfg, {**batch, "advantages": advantages})  # (B, T)
-
-    dpi = {}
-    for name, keep in (("all", batch["mask"]), ("lowest_only", in_bin[0]), ("highest_only", in_bin[3])):
-        change = (updated("GRPO", "sgd", adv * keep).exp() - batch["old_logprobs"].exp()).abs()  # (B, T)
-        dpi[name] = [mean_in(change, m) for m in in_bin]
-    rose = {o: {m: [mean_in((updated(m, o, batch["advantages"]) > batch["old_logprobs"]).float(), b & (adv > 0))
-                    for b in in_bin] for m in TOY_METHODS} for o in ("sgd", "adamw")}
-    total = float(batch["mask"].sum())
-    return {"share": [float(m.sum()) / total for m in in_bin], "count": [int(m.sum()) for m in in_bin],
-            "grad_norm": [toy_grad_norm(net, grpo, batch, adv * m) for m in in_bin],
-            "grad_norm_all": toy_grad_norm(net, grpo, batch, adv), "dpi": dpi, "correct_dir": rose}
-
-
 def toy_mean_std(rows: list) -> dict:
-    """Mean and std over batches/seeds, elementwise for lists; NaN (an empty bin) is left out."""
-    t = torch.tensor(rows, dtype=torch.float64)  # (n, ...)
+    """Mean and std over batches/seeds of numbers, lists or dicts of them, elementwise; None/NaN left out."""
+    if isinstance(rows[0], dict):
+        return {k: toy_mean_std([r[k] for r in rows]) for k in rows[0]}
+    t = torch.tensor([[math.nan if v is None else v for v in r] if isinstance(r, list) else r for r in rows],
+                     dtype=torch.float64)  # (n, ...)
     ok = ~t.isnan()
     mean = torch.where(ok, t, 0).sum(0) / ok.sum(0)
     std = (torch.where(ok, t - mean, 0) ** 2).sum(0).div((ok.sum(0) - 1).clamp_min(1)).sqrt()
@@ -689,28 +719,22 @@ def toy_mean_std(rows: list) -> dict:
 
 
 def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
-    """A GRPO run from the warm start; after `measure_after` steps (so AdamW has moments), each of the next
-    `measured_batches` batches is measured on copies of the policy, then GRPO updates the policy with it."""
-    net, cfg = copy.deepcopy(net), toy_config(s, "GRPO")
+    """A GRPO run from the warm start; measure_bins (as `python lopti.py diagnose`) on `measured_batches` batches
+    after `measure_after` steps. Mean and std over them, and of each method's top-bin ratio minus GRPO's."""
+    net, cfg = copy.deepcopy(net), toy_config(s, "grpo")
     opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
     measured = []
     for step in range(s.measure_after + s.measured_batches):
         batch = toy_rollout(net, rule, s, gen)
         if step >= s.measure_after:
-            measured.append(measure_batch(net, opt, batch, s))
-        toy_update(net, opt, cfg, batch)
-    fig1 = {k: toy_mean_std([m[k] for m in measured]) for k in ("share", "grad_norm", "grad_norm_all")}
-    fig1["grad_norm_rel"] = toy_mean_std([[g / m["grad_norm_all"] for g in m["grad_norm"]] for m in measured])
-    fig1["count_per_batch"] = [m["count"] for m in measured]
-    fig1["dpi"] = {k: toy_mean_std([m["dpi"][k] for m in measured]) for k in measured[0]["dpi"]}
-    fig1["paper"] = {k: TOY_PAPER[k] for k in ("share", "grad_norm", "grad_norm_all", "grad_norm_rel")}
-    fig3 = {f"toy_{o}": {k: toy_mean_std([m["correct_dir"][o][k] for m in measured]) for k in TOY_METHODS}
-            for o in ("sgd", "adamw")}
-    for o in ("sgd", "adamw"):  # paired per batch: the methods share each batch, so compare them on it
-        fig3[f"top_bin_minus_grpo_{o}"] = {k: toy_mean_std([m["correct_dir"][o][k][3] - m["correct_dir"][o]["GRPO"][3]
-                                                         for m in measured]) for k in TOY_METHODS if k != "GRPO"}
-    fig3["paper"] = TOY_PAPER["correct_dir"]
-    return {"fig1": fig1, "fig3": fig3}
+            measured.append(measure_bins(toy_config(s, "ar_lopti"), net, functools.partial(toy_logprobs, net), batch))
+        update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
+    out = toy_mean_std(measured)
+    top = lambda m, o, k: math.nan if m[o][k][3] is None else m[o][k][3]  # noqa: E731 (NaN: an empty top bin)
+    measured = [m["correct_direction"] for m in measured]
+    out["top_bin_minus_grpo"] = {o: {k: toy_mean_std([top(m, o, k) - top(m, o, "grpo") for m in measured])
+                                     for k in PROBE_METHODS if k != "grpo"} for o in ("sgd", "adamw")}
+    return out
 
 
 # --- 4. Does it learn faster? Short RL runs of every method from the same warm start
@@ -730,7 +754,7 @@ def learning_runs(net0: ToyLM, rule: torch.Tensor, s: ToySettings, warm_reward: 
             for _ in range(s.steps):
                 batch = toy_rollout(net, rule, s, gen)
                 curve.append(float(batch["rewards"].mean()))
-                toy_update(net, opt, cfg, batch)
+                update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
             curves.append(curve)
         final = [sum(c[-s.final_window:]) / len(c[-s.final_window:]) for c in curves]
         hit = [next((t + 1 for t, r in enumerate(c) if r >= threshold), None) for c in curves]
@@ -746,11 +770,11 @@ def run_toy(s: ToySettings) -> dict:
     batch = toy_rollout(net, rule, s, torch.Generator().manual_seed(s.seed))
     warm_reward = float(batch["rewards"].mean())
     pi = batch["old_logprobs"].exp().flatten()  # (B*T,)
-    results = {"settings": {**asdict(s), "bins": list(TOY_BIN_NAMES)},
+    results = {"settings": {**asdict(s), "bins": list(BIN_NAMES)},
                "bound": bound_section(net, batch, s),
                "warm_start": {"reward": round(warm_reward, 6),
                               "pi_histogram_10": torch.histc(pi, bins=10, min=0, max=1).int().tolist()}}
-    results.update(figures_1_and_3(net, rule, s))
+    results["figures"] = figures_1_and_3(net, rule, s)
     results["learning"] = learning_runs(net, rule, s, warm_reward)
     return results
 
@@ -764,10 +788,10 @@ def toy_paired(diff: dict, n: int) -> dict:
 def toy_checks(r: dict) -> list[dict]:
     """The paper's qualitative claims, each marked reproduced or not by the toy's own numbers; comparisons
     between methods also carry their paired spread."""
-    f1, learn, n_batches = r["fig1"], r["learning"]["methods"], len(r["fig1"]["count_per_batch"])
+    f, learn, n_batches = r["figures"], r["learning"]["methods"], r["settings"]["measured_batches"]
     nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 (an empty bin compares False)
-    share, gn = f1["share"]["mean"], f1["grad_norm"]["mean"]
-    dpi = {k: nan(v["mean"]) for k, v in f1["dpi"].items()}
+    share, gn = f["token_share"]["all"]["mean"], f["grad_norm"]["bins"]["mean"]
+    dpi = {k: nan(v["std"]["mean"]) for k, v in f["prob_change"].items()}  # how far a bin's tokens move
     checks = [{"claim": c, "reproduced": bool(ok)} for c, ok in (
         ("1. the softmax bound holds on every resolved token", all(b["violations"] == 0 for b in r["bound"].values())),
         ("2. token shares are U-shaped (top bin largest, lowest above both middle bins)",
@@ -780,14 +804,14 @@ def toy_checks(r: dict) -> list[dict]:
          dpi["highest_only"][3] < dpi["lowest_only"][3]),
     )]
     for o in ("sgd", "adamw"):
-        grpo = nan(r["fig3"][f"toy_{o}"]["GRPO"]["mean"])
+        grpo = nan(f["correct_direction"][o]["grpo"]["mean"])
         checks.append({"claim": f"3. ({o}) GRPO's correct-direction ratio is lower in the highest bin than the lowest",
                        "reproduced": grpo[3] < grpo[0]})
-        for m in ("+AR", "+Lopti", "+AR+Lopti"):
-            diff = {k: nan([v])[0] for k, v in r["fig3"][f"top_bin_minus_grpo_{o}"][m].items()}
+        for m, diff in f["top_bin_minus_grpo"][o].items():
+            diff = {k: nan([v])[0] for k, v in diff.items()}
             checks.append({"claim": f"3. ({o}) {m} raises the highest bin's correct-direction ratio above GRPO's",
                            "reproduced": diff["mean"] > 0, **toy_paired(diff, n_batches)})
-    for m, ref in (("+AR", "GRPO"), ("+Lopti", "GRPO"), ("+AR+Lopti", "GRPO"), ("+Lopti", "GRPO 2 epochs")):
+    for m, ref in (("ar", "grpo"), ("lopti", "grpo"), ("ar_lopti", "grpo"), ("lopti", "grpo_2_epochs")):
         diff = toy_mean_std([[a - b] for a, b in zip(learn[m]["final"], learn[ref]["final"])])
         diff = {k: v[0] for k, v in diff.items()}
         checks.append({"claim": f"4. {m} ends with a higher reward than {ref}", "reproduced": diff["mean"] > 0,
@@ -812,36 +836,45 @@ def _pyplot():
     return plt
 
 
+def plot_bins(axes, r: dict, who: str) -> None:
+    """measure_bins' Figure 1 (a), (d) and Figure 3 (`r`) beside the paper's, on three matplotlib axes."""
+    x, nan = torch.arange(4).float(), lambda xs: [math.nan if v is None else v for v in xs]  # noqa: E731
+    paper, rel = PAPER_FIGURES, lambda g: [v / max(g["all"], 1e-12) for v in g["bins"]]  # noqa: E731
+    for ax, ours, theirs, title in ((axes[0], r["token_share"]["all"], paper["token_share"], "token share"), (
+            axes[1], rel(r["grad_norm"]), rel(paper["grad_norm"]), "grad norm of one bin / all")):
+        ax.bar(x - 0.2, nan(ours), 0.4, label=who)
+        ax.bar(x + 0.2, theirs, 0.4, label="paper")
+        ax.set(title=f"Fig. 1: {title}", xticks=x, xticklabels=BIN_NAMES)
+        ax.legend()
+    for i, m in enumerate(PROBE_METHODS):
+        for o, ls in (("sgd", "--"), ("adamw", "-")):
+            axes[2].plot(BIN_NAMES, nan(r["correct_direction"][o][m]), marker="o", ls=ls, c=f"C{i}", label=f"{m} {o}")
+        if m in paper["correct_direction"]:
+            axes[2].plot(BIN_NAMES, paper["correct_direction"][m], ls=":", c=f"C{i}", label=f"paper {m}")
+    axes[2].set(title="Fig. 3: share of A>0 tokens whose pi rose")
+    axes[2].legend(fontsize=6, ncol=2)
+
+
 def plot_toy(r: dict, path: Path) -> None:
-    """toy.png: the bound, Fig. 1's gradient norms, Fig. 3's ratios and the reward curves."""
+    """toy.png: the bound, Fig. 1's token shares and gradient norms, Fig. 3's ratios and the reward curves."""
     plt = _pyplot()
     if plt is None:
         print("matplotlib is not installed: no toy.png (results.json is complete without it)")
         return
-    fig, ax = plt.subplots(1, 4, figsize=(18, 4))
+    fig, ax = plt.subplots(1, 5, figsize=(22, 4))
     b = r["bound"]["toy tokens"]
     ax[0].bar(["min", "max"], [b["ratio_min"], b["ratio_max"]], color="C0", label="toy tokens")
     ax[0].axhline(b["bound_lo"], ls="--", c="k", label="sqrt(N/(N-1))")
     ax[0].axhline(b["bound_hi"], ls=":", c="k", label="sqrt(2)")
     ax[0].set(title="Prop. 4.2: ||grad|| / (1 - pi)", ylim=(0.9, 1.5))
     ax[0].legend()
-    x = torch.arange(4).float()
-    f1 = r["fig1"]
-    ax[1].bar(x - 0.2, f1["grad_norm_rel"]["mean"], 0.4, yerr=f1["grad_norm_rel"]["std"], label="toy")
-    ax[1].bar(x + 0.2, TOY_PAPER["grad_norm_rel"], 0.4, label="paper")
-    ax[1].set(title="Fig. 1: grad norm of one bin / all", xticks=x, xticklabels=TOY_BIN_NAMES)
-    ax[1].legend()
-    for i, (m, v) in enumerate(r["fig3"]["toy_sgd"].items()):
-        ax[2].plot(TOY_BIN_NAMES, v["mean"], marker="o", label=m, c=f"C{i}")
-    for i, (m, xs) in enumerate(TOY_PAPER["correct_dir"].items()):
-        ax[2].plot(TOY_BIN_NAMES, xs, ls=":", label=f"paper {m}", c=f"C{i}")
-    ax[2].set(title="Fig. 3: share of A>0 tokens that rose (gradient step)")
-    ax[2].legend(fontsize=7)
+    means = lambda t: t["mean"] if "mean" in t else {k: means(v) for k, v in t.items()}  # noqa: E731
+    plot_bins(ax[1:4], means(r["figures"]), "toy")
     for i, (m, v) in enumerate(r["learning"]["methods"].items()):
-        ax[3].plot(range(1, len(v["curve"]["mean"]) + 1), v["curve"]["mean"], label=m, c=f"C{i}")
-    ax[3].axhline(r["learning"]["threshold"], ls="--", c="gray")
-    ax[3].set(title="reward per step (mean over seeds)", xlabel="RL step")
-    ax[3].legend(fontsize=7)
+        ax[4].plot(range(1, len(v["curve"]["mean"]) + 1), v["curve"]["mean"], label=m, c=f"C{i}")
+    ax[4].axhline(r["learning"]["threshold"], ls="--", c="gray")
+    ax[4].set(title="reward per step (mean over seeds)", xlabel="RL step")
+    ax[4].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -849,11 +882,11 @@ def plot_toy(r: dict, path: Path) -> None:
 
 def toy_main(args: argparse.Namespace) -> dict:
     """`python lopti.py toy`: run the toy, print the checks, write results.json (and toy.png). Only the default
-    run writes to toy/ (the README's figure); any other run goes to runs/toy/ unless --out says otherwise."""
-    quick = dict(steps=8, seeds=2, measured_batches=2, measure_after=1) if args.quick else {}
-    s = ToySettings(**{**dict(seed=args.seed, alpha=args.alpha, eta=args.eta), **quick,
-                       **{k: getattr(args, k) for k in ("steps", "seeds") if getattr(args, k) is not None}})
-    out = args.out or (Path("toy") if s == ToySettings() and not args.quick else Path("runs/toy"))
+    run, with no setting given, writes to toy/ (the README's figure); any other goes to runs/toy/ unless --out
+    says otherwise."""
+    given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if hasattr(args, f.name)}
+    s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
+    out = args.out or (Path("toy") if not given and not args.quick else Path("runs/toy"))
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # faster for these tiny matrices, and the same float sums on every run
@@ -1612,9 +1645,11 @@ def _on_oom(phase: str, lower: str, fn: Callable, *args):
                           "checkpoint is intact)") from None
 
 
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device) -> dict:
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device,
+               measure: bool = False) -> dict:
     """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
-    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl)."""
+    prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl). With `measure`,
+    measure_bins' Figures 1 and 3 at the step's weights under "diagnose"; without an optimizer, no update."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
@@ -1627,7 +1662,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     if cfg.mask_truncated:
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
-    needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,) the rows update_policy reads
+    needed = rows_with_gradient(batch["advantages"], cfg.beta) | measure  # (B,) the rows read (measure_bins: all)
     batch["old_logprobs"] = _on_oom("pi_old pass", "--micro_batch_size", batched_logprobs, model, batch, cfg, device,
                                     needed)  # (B, C), fixed for this step
     if ref_model is not None:
@@ -1641,8 +1676,10 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
 
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
+    diag = {"diagnose": measure_bins(cfg, model, logprob_fn, tensors)} if measure else {}
+    t3 = time.perf_counter()
     stats = _on_oom("update", "--micro_batch_size or --max_completion_length (or set --gradient_checkpointing "
-                    "true)", update_policy, cfg, logprob_fn, optimizer, tensors)
+                    "true)", update_policy, cfg, logprob_fn, optimizer, tensors) if optimizer else {}
     grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -1651,8 +1688,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
         "format_credit": ((trained - rewards) / cfg.format_reward).mean().item() if cfg.format_reward else None,
         "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
         "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
-        "learning_rate": optimizer.param_groups[0]["lr"], **stats,
-        "time/rollout": t1 - t0, "time/logprobs": t2 - t1,
+        "learning_rate": cfg.learning_rate, **stats, **diag,
+        "time/rollout": t1 - t0, "time/logprobs": t2 - t1, **({"time/diagnose": t3 - t2} if measure else {}),
         "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
         "samples": [{"reward": r, "completion": THINK_PREFIX + t}
                     for r, t in zip(rewards[:G].tolist(), batch["texts"])],
@@ -1704,9 +1741,15 @@ def latest_checkpoint(output_dir: str) -> Path | None:
     return None
 
 
+def _flatten(record: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a/b": 1}."""
+    return {k: v for key, value in record.items() for k, v in (_flatten(value, f"{prefix}{key}/").items() if
+            isinstance(value, dict) else [(f"{prefix}{key}", value)])}
+
+
 def append_jsonl(path: Path, record: dict) -> None:
-    """One strict-JSON line (a NaN or inf value is written as null), flushed."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    """One strict-JSON line with nested dicts flattened (a NaN or inf value is written as null), flushed."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in _flatten(record).items()}
     with open(path, "a") as f:
         f.write(json.dumps(clean, allow_nan=False) + "\n")
         f.flush()
@@ -1723,15 +1766,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [r for r in records if isinstance(r, dict)]
 
 
-def _saved_config(out: Path) -> dict:
-    """The settings the run in `out` was trained with (its config.json), for --resume."""
+def _saved_config(out: Path, flag: str = "--resume") -> dict:
+    """The settings the run in `out` was trained with (its config.json), for --resume and diagnose --checkpoint."""
     path = out / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"--resume: {path} not found; is --output_dir the run's folder?")
+        raise FileNotFoundError(f"{flag}: {path} not found; is {out} the run's folder?")
     try:
         return asdict(Config(**json.loads(path.read_text())))
     except (json.JSONDecodeError, TypeError) as e:  # not JSON, or a field of another version of lopti.py
-        raise ValueError(f"--resume: {path} is not a config.json of this lopti.py ({e})") from None
+        raise ValueError(f"{flag}: {path} is not a config.json of this lopti.py ({e})") from None
 
 
 def _check_new_run_folder(out: Path, hint: str = "") -> None:
@@ -1837,7 +1880,8 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
     for step in bar:
         rows = train_rows[step_rows(len(train_rows), cfg, step)]
-        metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)}
+        diag = cfg.diagnose_every > 0 and (step + 1) % cfg.diagnose_every == 0
+        metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device, diag)}
         samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
         last = step + 1 == cfg.steps
         if ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last) and not stop:
@@ -1877,14 +1921,17 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def plot_runs(runs: list[Path], out: Path) -> Path:
-    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one
-    line per run (5-step running mean over the raw values), labelled by method and seed."""
+    """`python lopti.py plot`: reward, accuracy, format-error share, Lopti's low-token share and (train
+    --diagnose_every) the top bin's correct-direction ratio of the run's method per step, one line per run
+    (5-step running mean over the raw values), labelled by method and seed."""
     plt = _pyplot()
     if plt is None:
         raise ImportError("plot needs matplotlib: pip install matplotlib")
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
-              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"),
+              ("diagnose/correct_direction/adamw/{m}", "Fig. 3, (.75,1]: A>0 tokens that rose (AdamW probe)"))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
+    top = lambda v: v[3] if isinstance(v, list) else v  # noqa: E731 (a bin list: its top bin)
     for i, run in enumerate(runs):
         if not (run / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
@@ -1893,7 +1940,8 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
         method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
             (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
         for ax, (key, title) in zip(axes, panels):
-            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+            values = [(m["step"], top(m.get(key.format(m=method.lower().replace("+", "_"))))) for m in lines]
+            points = [(s, v) for s, v in values if v is not None]
             if points:
                 x, y = zip(*points)
                 mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
@@ -1905,6 +1953,36 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+# --- diagnose: the paper's Figures 1 and 3 on a real model's rollouts
+
+
+def diagnose(cfg: Config) -> Path:
+    """`python lopti.py diagnose`: one rollout batch of cfg.model (step 1's prompts for cfg.seed), scored as
+    train_step scores it (reward with format credit, group advantages, pi_old), then measure_bins. Writes
+    diagnose_seed<S>.json and a PNG beside the paper's numbers under cfg.output_dir."""
+    tokenizer = load_tokenizer(cfg.model)  # (a bad --model fails here, before anything is written)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{cfg.model} has no chat template: diagnose measures an instruct model on K&K's chat prompt")
+    out = Path(cfg.output_dir) / f"diagnose_seed{cfg.seed}.json"
+    device, t0 = pick_device(), time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    train_rows = load_task_data(cfg)[0]
+    model = load_model(cfg.model, device)
+    m = train_step(cfg, model, None, tokenizer, None, train_rows[step_rows(len(train_rows), cfg, 0)], device, True)
+    r = {"bins": list(BIN_NAMES), **m["diagnose"], "paper": PAPER_FIGURES}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out, json.dumps(r, indent=1) + "\n")
+    print(f"reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s (measurement {m['time/diagnose']:.0f} s)")
+    plt = _pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+        plot_bins(ax, r, Path(cfg.model).name)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+        plt.close(fig)
     return out
 
 
@@ -2081,7 +2159,7 @@ def train_trl(cfg: Config) -> Path:
     return out / "checkpoint"
 
 
-# ====== CLI: python lopti.py {toy,train,eval,plot} [--preset NAME] [--field value ...] ======
+# ====== CLI: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] [--field value ...] ======
 
 
 PRESETS: dict[str, dict] = {
@@ -2167,15 +2245,14 @@ def _config_arguments(parser: argparse.ArgumentParser, names) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lopti.py", description="GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,plot}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,diagnose,plot}")
     toy = sub.add_parser("toy", help="the paper's mechanism on a toy softmax policy (CPU, < 1 minute)")
-    toy.add_argument("--seed", type=_count(0), default=0)
-    toy.add_argument("--steps", type=_count(1), help="RL steps per run (default 100; --quick 8)")
-    toy.add_argument("--seeds", type=_count(1), help="seeds per method (default 5; --quick 2)")
-    toy.add_argument("--alpha", type=_unit(False), default=0.3, help="AR strength, Eq. 4")
-    toy.add_argument("--eta", type=_unit(True), default=0.5, help="Lopti threshold, Algorithm 1")
-    toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ for the default "
-                     "run, runs/toy/ for any other)")
+    for name, kind in (("seed", _count(0)), ("steps", _count(1)), ("seeds", _count(1)), ("alpha", _unit(False)),
+                       ("eta", _unit(True))):  # the defaults are ToySettings', not repeated here
+        toy.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=f"default {getattr(ToySettings, name)}"
+                         f"{f'; --quick {TOY_QUICK[name]}' if name in TOY_QUICK else ''}")
+    toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ when no setting "
+                     "is given, runs/toy/ otherwise)")
     toy.add_argument("--quick", action="store_true", help="a few seconds: fewer steps, seeds and batches")
     train = sub.add_parser("train", help="GRPO (+AR, +Lopti) on Knights and Knaves", argument_default=argparse.SUPPRESS)
     _config_arguments(train, [f.name for f in fields(Config)])
@@ -2186,19 +2263,31 @@ def build_parser() -> argparse.ArgumentParser:
                        "(one device); trl: LoptiGRPOTrainer, also under `accelerate launch` (pip install trl)")
     eval_cmd = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
     _config_arguments(eval_cmd, EVAL_FIELDS)
+    diag = sub.add_parser("diagnose", help="the paper's Figures 1 and 3 on one rollout batch of a model",
+                          argument_default=argparse.SUPPRESS)
+    _config_arguments(diag, [f.name for f in fields(Config)])
+    diag.add_argument("--checkpoint", type=Path, help="a run's checkpoint folder (RUN_DIR/checkpoint): its weights and "
+                      "the run's config (explicit --field values override it); the output goes to RUN_DIR")
     plot = sub.add_parser("plot", help="reward, accuracy, format errors and Lopti's low share of runs, in one PNG")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding metrics.jsonl")
     plot.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write (default curves.png)")
-    for p in (toy, train, eval_cmd, plot):
+    for p in (toy, train, eval_cmd, diag, plot):
         p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
 
 
 def resolve_config(args: dict) -> Config:
-    """Defaults < preset < explicit --field values; on --resume the run's config.json replaces the defaults and the
-    preset (train refuses an explicit value outside RESUME_MAY_CHANGE that differs from it)."""
+    """Defaults < preset < explicit --field values. On --resume the run's config.json replaces the defaults and the
+    preset (train refuses an explicit value outside RESUME_MAY_CHANGE that differs from it); so it does on
+    diagnose --checkpoint, whose weights are the model and whose run folder the output's."""
     preset = PRESETS[args["preset"]] if "preset" in args else {}
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
+    ckpt = args.get("checkpoint")
+    if ckpt is not None:
+        if not (ckpt / "trainer_state.pt").is_file():
+            raise FileNotFoundError(f"--checkpoint {ckpt} is not a checkpoint of a lopti run (no trainer_state.pt)")
+        return Config(**{**_saved_config(ckpt.parent, "--checkpoint"), "output_dir": str(ckpt.parent), **explicit,
+                         "model": str(ckpt)})
     if not args.get("resume"):
         return Config(**{**preset, **explicit})
     out = {**preset, **explicit}.get("output_dir", Config.output_dir)  # the folder read, wherever the run began
@@ -2234,11 +2323,13 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.warn(f"--preset {values['preset']} is sized for a CUDA GPU and none was found: this will be "
                               "very slow; use --preset cpu on this machine")
             if args.command == "train" and values.get("engine") == "trl":
-                if values.get("resume"):
-                    raise ValueError("--engine trl has no --resume; start a new --output_dir")
+                if values.get("resume") or cfg.diagnose_every:
+                    raise ValueError("--engine trl has no --resume or --diagnose_every; use --engine native")
                 print(f"done: {train_trl(cfg)}")
             elif args.command == "train":
                 print(f"done: {train(cfg, resume=values.get('resume', False))}")
+            elif args.command == "diagnose":
+                print(f"wrote {diagnose(cfg)}")
             else:
                 print(json.dumps(evaluate_model(cfg), indent=2))
     except KeyboardInterrupt as e:

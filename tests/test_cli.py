@@ -321,3 +321,26 @@ def test_resume_reads_and_writes_the_folder_it_was_given(tmp_path, monkeypatch):
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(Config(output_dir="old/place"))))
     assert lopti.resolve_config(train_args(["--resume"])).output_dir == Config.output_dir
+
+
+def test_diagnose_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A model without a chat template, a folder that is not a run's checkpoint, a negative --diagnose_every."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
+    out = tmp_path / "out"
+    for argv, match in ((["diagnose", "--model", str(bare)], "has no chat template"),
+                        (["diagnose", "--checkpoint", str(tiny_model_dir)], "is not a checkpoint of a lopti run"),
+                        (["diagnose", "--diagnose_every", "-1"], "diagnose_every must be >= 0"),
+                        (["train", "--diagnose_every", "-1"], "diagnose_every must be >= 0"),
+                        (["train", "--engine", "trl", "--diagnose_every", "2"], "no --resume or --diagnose_every")):
+        assert lopti.main([*argv, "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err, err
+    assert not out.exists()

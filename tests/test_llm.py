@@ -526,3 +526,44 @@ def test_a_checkpointed_policy_shares_the_prompt_in_pi_old_and_not_in_the_update
     new = lopti.completion_logprobs(model, batch, cfg.temperature)
     assert calls == [3] and new.requires_grad
     torch.testing.assert_close(new.detach(), old, atol=1e-5, rtol=0)
+
+
+# --- diagnose: the paper's Figures 1 and 3 on a model's rollouts (measure_bins inside train_step)
+
+TINY_FLAGS = ["--prompts_per_step", "2", "--num_generations", "4", "--max_completion_length", "12",
+              "--micro_batch_size", "2", "--mini_batch_size", "8", "--num_train", "16", "--num_people", "3"]
+
+
+def test_diagnose_leaves_the_weights_bit_identical_and_writes_the_papers_keys(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    cfg = tiny_config(tiny_model_dir, tmp_path, mini_batch_size=8)
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    before = [p.detach().clone() for p in model.parameters()]
+    m = lopti.train_step(cfg, model, None, tok, None, lopti.kk_generate(2, 3, seed=0), CPU, measure=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # every probe undone, bit for bit
+    d = m["diagnose"]
+    assert sum(d["token_share"]["all"]) == pytest.approx(1.0)
+    assert d["grad_norm"]["all"] > 0 and all(set(d["correct_direction"][o]) == {"grpo", "ar", "lopti", "ar_lopti"}
+                                             for o in ("sgd", "adamw"))
+    json.dumps(d, allow_nan=False)  # an empty bin is None, never NaN
+    assert lopti.main(["diagnose", "--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "d"),
+                       *TINY_FLAGS]) == 0
+    r = json.loads((tmp_path / "d" / "diagnose_seed0.json").read_text())
+    assert list(r) == ["bins", "token_share", "grad_norm", "prob_change", "correct_direction", "paper"]
+    assert r["paper"]["correct_direction"]["grpo"] == [0.530, 0.514, 0.501, 0.497]
+
+
+def test_train_diagnose_every_logs_flat_keys_changes_nothing_and_plots(tiny_model_dir, tmp_path, monkeypatch):
+    """The measurement restores the weights and draws no random numbers: a run that measures every step trains
+    exactly as one that does not."""
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    lopti.train(tiny_config(tiny_model_dir, tmp_path / "a", steps=2, mini_batch_size=8))
+    lopti.train(tiny_config(tiny_model_dir, tmp_path / "b", steps=2, mini_batch_size=8, diagnose_every=2))
+    a, b = (lopti.read_jsonl(tmp_path / r / "metrics.jsonl") for r in "ab")
+    for key in ("reward", "low/loss", "high/loss", "low/grad_norm"):
+        assert [x[key] for x in a] == [x[key] for x in b], key
+    assert "diagnose/grad_norm/all" not in b[0] and len(b[1]["diagnose/correct_direction/adamw/ar_lopti"]) == 4
+    wa, wb = (lopti.load_model(str(tmp_path / r / "checkpoint"), CPU).state_dict() for r in "ab")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    pytest.importorskip("matplotlib")
+    assert lopti.main(["plot", str(tmp_path / "b"), "--out", str(tmp_path / "c.png")]) == 0

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import lopti
-from lopti import (TOY_METHODS, ToySettings, bound_check, make_optimizer, prob_bins, toy_config, toy_rollout,
-                   toy_update, toy_warm_start)
+from lopti import (PROBE_METHODS, TOY_METHODS, ToySettings, bin_masks, bound_check, make_optimizer, toy_config,
+                   toy_logprobs, toy_rollout, toy_warm_start, update_policy)
 
 def toy_main(argv):
     return lopti.toy_main(lopti.build_parser().parse_args(["toy", *argv]))
 
 
-SECTIONS = ("settings", "bound", "warm_start", "fig1", "fig3", "learning", "checks")
+SECTIONS = ("settings", "bound", "warm_start", "figures", "learning", "checks")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def test_quick_run_writes_every_section(quick_run):
     assert all(k in saved for k in SECTIONS)
     assert saved == json.loads(json.dumps(results))
     assert not (out / "results.json.tmp").exists()
-    assert set(saved["fig3"]["toy_sgd"]) == set(TOY_METHODS) and "paper" in saved["fig3"]
-    assert len(saved["learning"]["methods"]["GRPO"]["curve"]["mean"]) == saved["settings"]["steps"]
+    assert all(set(saved["figures"]["correct_direction"][o]) == set(PROBE_METHODS) for o in ("sgd", "adamw"))
+    assert len(saved["learning"]["methods"]["grpo"]["curve"]["mean"]) == saved["settings"]["steps"]
 
 
 def test_bound_has_no_violation(quick_run):
@@ -55,19 +55,19 @@ def test_bound_tight_cases():
 
 
 def test_bins_partition_the_tokens(quick_run):
-    fig1 = quick_run[0]["fig1"]
-    s = quick_run[0]["settings"]
-    for counts in fig1["count_per_batch"]:
-        assert sum(counts) == s["prompts"] * s["group"] * s["response_len"]
-    assert sum(fig1["share"]["mean"]) == pytest.approx(1.0, abs=1e-6)
-    logp = torch.tensor([[1.0, 0.25, 0.2500001, 0.5, 0.75, 0.9, 1e-9]]).clamp_min(1e-12).log()
-    assert prob_bins(logp).tolist() == [[3, 0, 1, 1, 2, 3, 0]]
+    share = quick_run[0]["figures"]["token_share"]
+    assert sum(share["all"]["mean"]) == pytest.approx(1.0, abs=1e-5)  # (rounded to 6 digits)
+    assert sum(share["nonzero_advantage"]["mean"]) == pytest.approx(1.0, abs=1e-5)
+    logp = torch.tensor([[1.0, 0.25, 0.2500001, 0.5, 0.75, 0.9, 1e-9, 0.3]]).clamp_min(1e-12).log()
+    masks = bin_masks(logp, torch.tensor([[True] * 7 + [False]]))
+    assert masks.sum(0).tolist() == [[1] * 7 + [0]]  # each token in one bin; padding in none
+    assert masks.int().argmax(0)[:, :7].tolist() == [[3, 0, 1, 1, 2, 3, 0]]
 
 
 def _updated_params(net, s, method, batch):
     net2 = copy.deepcopy(net)
     cfg = toy_config(s, method)
-    toy_update(net2, make_optimizer(net2, cfg), cfg, batch)
+    update_policy(cfg, lambda micro: toy_logprobs(net2, micro), make_optimizer(net2, cfg), batch)
     return torch.cat([p.detach().flatten() for p in net2.parameters()])
 
 
@@ -80,7 +80,7 @@ def test_methods_differ_and_alpha_zero_is_grpo():
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert not torch.equal(after[a], after[b]), (a, b)
-    assert torch.equal(_updated_params(net, dataclasses.replace(s, alpha=0.0), "+AR", batch), after["GRPO"])
+    assert torch.equal(_updated_params(net, dataclasses.replace(s, alpha=0.0), "ar", batch), after["grpo"])
 
 
 def test_same_seed_same_json(quick_run, tmp_path):
@@ -98,7 +98,8 @@ def test_bad_options_are_one_line_and_exit_2(bad, tmp_path, capsys):
 
 
 def test_only_the_default_run_writes_toy_folder(monkeypatch, tmp_path):
-    """A non-default run (here --quick) goes to runs/toy/, so the README's committed figure stays the default's."""
+    """Only the run with no setting given goes to toy/ (the README's committed figure), with ToySettings' defaults;
+    any setting given, even at its default value, sends it to runs/toy/ unless --out says otherwise."""
     monkeypatch.chdir(tmp_path)
     parse = lambda *argv: lopti.build_parser().parse_args(["toy", *argv])  # noqa: E731
     written = []
@@ -109,5 +110,9 @@ def test_only_the_default_run_writes_toy_folder(monkeypatch, tmp_path):
     lopti.toy_main(parse("--seed", "3"))
     lopti.toy_main(parse())
     lopti.toy_main(parse("--quick", "--out", "mine"))
+    lopti.toy_main(parse("--steps", str(ToySettings.steps)))
     folders = [w.parent for w in written if isinstance(w, Path)]
-    assert folders == [Path("runs/toy"), Path("runs/toy"), Path("toy"), Path("mine")]
+    assert folders == [Path("runs/toy"), Path("runs/toy"), Path("toy"), Path("mine"), Path("runs/toy")]
+    settings = [w for w in written if isinstance(w, ToySettings)]
+    assert settings[2] == ToySettings() and settings[1] == ToySettings(seed=3)
+    assert settings[0] == ToySettings(**lopti.TOY_QUICK)

@@ -1,11 +1,13 @@
 """update_policy, Algorithm 1: AR before the split, low pass then high pass from the updated weights, the
 same pi_old in both passes, one optimiser step per mini-batch, micro-batching that changes nothing."""
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from lopti import Config, group_advantages, lopti_masks, policy_loss, reweight_advantages, token_logprobs, update_policy
+from lopti import (Config, bin_gradients, bin_masks, group_advantages, lopti_masks, measure_bins, policy_loss,
+                   reweight_advantages, token_logprobs, update_policy)
 
 V, B, T = 11, 6, 5
 
@@ -170,3 +172,66 @@ def test_a_batch_without_any_gradient_takes_no_step():
     batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
     _, _, n_kl = _run(dataclasses.replace(BASE, beta=0.1), weight, batch)
     assert n_kl == 1
+
+
+# --- measure_bins: Figures 1 and 3 for any policy (the toy's and `python lopti.py diagnose`'s measurement)
+
+
+class _Linear(torch.nn.Module):
+    """The policy of _problem as a module: log pi = log_softmax(x @ weight)[token]."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.clone())
+
+    def logprobs(self, mb):
+        return token_logprobs(mb["x"] @ self.weight, mb["tokens"])
+
+
+def test_the_four_bins_gradients_add_up_to_the_all_token_gradient():
+    weight, batch = _problem()
+    model = _Linear(weight)
+    bins = bin_masks(batch["old_logprobs"], batch["mask"])
+    assert (bins.sum(0) == batch["mask"]).all() and all(b.any() for b in bins)  # a partition; no bin empty
+    cfg = Config(micro_batch_size=4)
+    grads = bin_gradients(cfg, model, model.logprobs, batch)
+    whole = _grad(weight, batch, batch["advantages"][:, None].expand(B, T), batch["mask"], int(batch["mask"].sum()))
+    torch.testing.assert_close(sum(g[0] for g in grads), whole, rtol=1e-12, atol=1e-12)
+    for g, b in zip(grads, bins):  # and each bin's is the loss's gradient with only that bin's advantages
+        torch.testing.assert_close(g[0], _grad(weight, batch, batch["advantages"][:, None] * b, batch["mask"],
+                                               int(batch["mask"].sum())), rtol=1e-12, atol=1e-12)
+
+
+def test_one_token_gradient_norm_by_hand():
+    """One token of pi = 0.8 over two choices, A = 1.5: d(-A pi/pi_old)/dz = -A (e_0 - pi), whose norm is
+    A (1 - pi) sqrt(2) = 0.3 sqrt(2); it falls in bin (.75, 1] and the other bins' norms are 0."""
+    z = torch.tensor([[math.log(4.0), 0.0]], dtype=torch.float64)  # pi = (0.8, 0.2)
+    model = _Linear(z)
+    batch = {"x": torch.ones(1, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0]]),
+             "mask": torch.tensor([[True]]), "advantages": torch.tensor([1.5], dtype=torch.float64)}
+    batch["old_logprobs"] = model.logprobs(batch).detach()
+    r = measure_bins(Config(micro_batch_size=1), model, model.logprobs, batch)
+    assert r["grad_norm"]["bins"] == pytest.approx([0, 0, 0, 0.3 * math.sqrt(2)], rel=1e-6)  # policy_loss is fp32
+    assert r["grad_norm"]["all"] == pytest.approx(0.3 * math.sqrt(2), rel=1e-6)
+    assert r["token_share"] == {"all": [0, 0, 0, 1], "nonzero_advantage": [0, 0, 0, 1]}
+    assert r["correct_direction"]["sgd"]["grpo"] == [None, None, None, 1.0]  # an empty bin is None, never NaN
+
+
+def test_correct_direction_of_a_known_case_and_the_weights_are_restored():
+    """One shared context, pi = (0.1, 0.8, 0.1); responses: token 0 (A = 1), token 1 (A = 1), token 2 (A = -0.1),
+    and a padded one. GRPO's ascent direction on the logits is g = sum A (e_o - pi) = (0.81, -0.52, -0.29), and
+    d log pi_j = g_j - pi . g = (+1.174, -0.156, ...): the rare token 0 rises and the likely token 1 falls. AdamW's
+    first step moves by sign(g) = (1, -1, -1): d log pi_1 = -1 + 0.8 < 0 as well. So under both probes GRPO's
+    ratios are [1, None, None, 0]: Figure 3's mechanism, a low-probability token pushing a likely one down."""
+    z = torch.log(torch.tensor([[0.1, 0.8, 0.1]], dtype=torch.float64))
+    model = _Linear(z)
+    batch = {"x": torch.ones(4, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0], [1], [2], [1]]),
+             "mask": torch.tensor([[True], [True], [True], [False]]),
+             "advantages": torch.tensor([1.0, 1.0, -0.1, 0.0], dtype=torch.float64)}
+    batch["old_logprobs"] = model.logprobs(batch).detach()
+    before = model.weight.detach().clone()
+    r = measure_bins(Config(micro_batch_size=2, learning_rate=1e-3), model, model.logprobs, batch)
+    for o in ("sgd", "adamw"):
+        assert r["correct_direction"][o]["grpo"] == [1.0, None, None, 0.0], o
+    assert torch.equal(model.weight.detach(), before)  # every probe restored the weights bit for bit
+    assert r["prob_change"]["lowest_only"]["mean"][0] > 0 > r["prob_change"]["lowest_only"]["mean"][3]
