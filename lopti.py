@@ -183,8 +183,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     `rewards` is (B,) with the G = `group_size` responses of one prompt in consecutive rows.
     std is torch's unbiased std, as the official code uses. A group whose rewards are all equal gets
     A = 0 (not 0/eps noise); a group of one gets mean 0, std 1, as in the official code.
-    Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35].
-    """
+    Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (B,), got shape {tuple(rewards.shape)}")
     if not isinstance(group_size, int) or group_size < 1:
@@ -212,14 +211,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    chunk_elems: int = 2**24, head: torch.nn.Linear | None = None) -> torch.Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t], in float32, for logits (B, T, V) and tokens (B, T); with `head`
     (an LM's output layer), `logits` are the final hidden states (B, T, H) and z_t = head(h_t).
-
     Every log-prob (current, old, reference) uses the sampling temperature T, as the official actor does: scoring
     with softmax(z) while sampling from softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
     The chosen logit minus logsumexp is computed in fp32 over chunks of positions, about `chunk_elems` logits each,
     so the (B, T, V) logits never exist whole; under autograd each chunk (and its head) is recomputed in the
     backward pass (activation checkpointing) instead of being stored. Chunks of positions, not TRL's vocabulary
-    chunks with an online logsumexp: a row of V logits always fits, so torch's logsumexp and autograd suffice.
-    """
+    chunks with an online logsumexp: a row of V logits always fits, so torch's logsumexp and autograd suffice."""
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if logits.shape[:-1] != tokens.shape:
@@ -244,8 +241,7 @@ def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, al
 
     `advantages` is (B,) (broadcast over tokens) or (B, T); `old_logprobs` is (B, T) log pi_old at the
     sampling temperature. The weight is a constant: no gradient flows through `old_logprobs`.
-    alpha = 0 returns the advantages unchanged (plain GRPO); paper: 0.3 on K&K, 0.1 on math.
-    """
+    alpha = 0 returns the advantages unchanged (plain GRPO); paper: 0.3 on K&K, 0.1 on math."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
@@ -254,12 +250,10 @@ def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, al
 
 def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest.
-
     Both masks are (B, T) booleans that partition `mask` (padding is in neither). The split is made once
     per RL step from pi_old and kept for both stages. Official name of eta: `seperate_prob`.
     Example, eta = 0.5: pi_old = [[0.9, 0.2, 0.6, 1.0]], mask = [[1, 1, 1, 0]]
-        -> low = [[F, T, F, F]], high = [[T, F, T, F]]
-    """
+        -> low = [[F, T, F, F]], high = [[T, F, T, F]]"""
     if not 0.0 < eta <= 1.0:
         raise ValueError(f"eta must be in (0, 1], got {eta}")
     _check_same_shape(old_logprobs=old_logprobs, mask=mask)
@@ -285,8 +279,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     gradient as one big batch, and the full count in a Lopti stage (official code: a stage is not
     renormalised over its own tokens, so the two stages' gradients add up to GRPO's).
     The dual clip, the per-stage `kl_mask`, the token-mean (the paper's GRPO objective averages each response
-    with 1/|o_i| first) and the shared denominator are the official code's; the paper's text has none of them.
-    """
+    with 1/|o_i| first) and the shared denominator are the official code's; the paper's text has none of them."""
     for name, value, lo in (("epsilon", epsilon, 0), ("epsilon_high", epsilon_high, 0), ("beta", beta, 0)):
         if not lo <= value < math.inf:
             raise ValueError(f"{name} must be finite and >= {lo}, got {value}")
@@ -356,7 +349,6 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
                   optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """One RL step's update on a rollout batch: Advantage Reweighting (Eq. 4), then one GRPO pass or,
     with `cfg.lopti`, Lopti's two complete passes (Algorithm 1).
-
     `batch` holds (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and
     whatever `logprob_fn` needs; `logprob_fn(micro_batch)` returns the current (b, T) log-probs with
     gradients. Each pass walks the batch in mini-batches of `cfg.mini_batch_size` rows, one AdamW step
@@ -364,7 +356,6 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     count as the shared denominator. Lopti's split is made once from pi_old; stage 2 starts from stage
     1's weights, keeps the same old log-probs (its ratio already sees stage 1's drift) and the optimiser
     state. Returns per-pass means of the loss statistics and grad norms.
-
     A row with no gradient in a pass (no token of the pass, or rows_with_gradient() false) is not computed (no
     forward, no backward) but still counts in its mini-batch's denominator, so the step is the one computed over
     every row (tested); with beta = 0 its old_logprobs may hold anything, even NaN. Statistics are over computed rows.
@@ -1151,7 +1142,6 @@ def hub_reachable(repo_id: str, repo_type: str) -> bool:
     """False when the Hugging Face hub cannot be reached at all (no network, or HF_HUB_OFFLINE=1)."""
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
-
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return False
     try:
@@ -1169,7 +1159,6 @@ _KK_FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".ar
 
 def kk_load(source):
     """K&K puzzles from a local file or the Hugging Face hub, normalised to KK_FEATURES and validated.
-
     source: a `.parquet`, `.jsonl` or `.json` file in the K&K benchmark's format (quiz, statements,
     solution_text_format, ...) or Logic-RL's (reward_model.ground_truth holds the last two); or a hub dataset
     "OWNER/NAME[:[CONFIG/]SPLIT]" (split "train" by default), e.g. "K-and-K/knights-and-knaves:test/3ppl"."""
@@ -1199,7 +1188,6 @@ def kk_load(source):
                 raise ValueError(f"kk_load: {source!r} is empty")
         try:
             import pyarrow.parquet  # (a dependency of datasets) 0-row parquet: datasets' error names nothing
-
             empty = builder == "parquet" and pyarrow.parquet.read_metadata(path).num_rows == 0
             ds = [] if empty else datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as e:  # StopIteration, DatasetGenerationError, ArrowInvalid, ... name nothing useful
@@ -1262,15 +1250,13 @@ def _kk_named_role(name: str, answer: str) -> str | None:
 
 def kk_reward(completion, solution_text_format):
     """Logic-RL's K&K reward of one completion: 3 (correct), -0.5 (wrong), -1 (unreadable answer), -3.
-
     `completion` is the assistant text with the pre-filled THINK_PREFIX in front. Format +1 iff each tag
     of <think></think><answer></answer> occurs exactly once and in that order, else -1 and the answer is
     not read (answer -2). Answer (inside <answer>...</answer>): the number of "knight"/"knave" substrings
     must equal the number of people and every name must match r"\\bNAME\\b\\s+is\\s+a\\s+\\b(knight|knave)\\b"
     (case-insensitive, first match), else -2; then +2 if all roles are right, -1.5 if any is wrong. Logic-RL
     scores the text after the first "Assistant:" (its ChatML prompts have none), as _kk_scan does. Never raises
-    on model text; a non-string completion scores -3.
-    """
+    on model text; a non-string completion scores -3."""
     truth = kk_parse_solution(solution_text_format)
     if not isinstance(completion, str):
         return KK_FORMAT_ERROR
@@ -1390,7 +1376,6 @@ def _from_pretrained(cls, name: str, **kwargs):
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """A causal LM with PyTorch SDPA attention and dropout off, from a local folder or the hub."""
     from transformers import AutoModelForCausalLM
-
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="sdpa")
     for module in model.modules():  # dropout would make the first ratio != 1
         if isinstance(module, torch.nn.Dropout):
@@ -1403,7 +1388,6 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
 def load_tokenizer(name: str):
     """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
     from transformers import AutoTokenizer
-
     tokenizer = _from_pretrained(AutoTokenizer, name)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -1422,12 +1406,10 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of the response tokens, built from positions: up to and including the first EOS.
-
     Returns (mask (B, C) bool, truncated (B,) bool: no EOS at all). Building it from token values instead
     (`tokens != pad`) drops the generated EOS when pad == EOS, and the model never learns to stop.
     Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
-        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]
-    """
+        -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]"""
     is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
     truncated = ~is_eos.any(dim=1)  # (B,)
     # the number of EOS strictly before each position: 0 means "not yet stopped"
@@ -1475,15 +1457,13 @@ def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
                       temperature: float) -> torch.Tensor:
     """log pi(o_t) at temperature T for the last `num_completion` tokens of left-padded rows: (B, C).
-
     Position ids come from the attention mask, as generate() computed them, so a left-padded row scores
     exactly as it would alone (models with absolute positions are wrong without them). The decoder runs once and
     token_logprobs applies the output layer to the C hidden states that predict the completion, in chunks, so the
     (B, C, V) logits never exist whole (in the update either: each chunk is recomputed in backward). Rows that share
     a prompt (a GRPO group) run it once: its KV cache is computed for each distinct prompt and indexed for every row,
     which skips G - 1 of every G prompt forwards (and their backward); the log-probs agree with one forward per row
-    to float rounding (tested).
-    """
+    to float rounding (tested)."""
     C = num_completion
     decoder, head = decoder_and_head(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
@@ -1517,14 +1497,11 @@ def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) 
 @torch.no_grad()
 def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False):
     """Sample one completion per prompt (repeat prompts for groups) from pi_old at `cfg.temperature`.
-
     Sampling is plain softmax(z / T): no top-k, top-p or repetition penalty from the model's generation
     config, because pi_old must be the distribution the tokens were drawn from. Returns a dict with the
     left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
-    (B, C), `truncated` (B,) and the decoded completion `texts`.
-    """
+    (B, C), `truncated` (B,) and the decoded completion `texts`."""
     from transformers import GenerationConfig
-
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -1630,7 +1607,6 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
@@ -1851,7 +1827,6 @@ def _run_guard(out: Path, stop: dict, lock: bool = True):
     refuses a second run there; Ctrl-C or SIGTERM (how Colab, SLURM, Kubernetes stop a job) sets stop["signum"]: the
     run finishes its step, saves and raises Stopped. A second signal raises Stopped at once (the checkpoint stays)."""
     import fcntl
-
     def on_signal(signum, frame):
         if stop:
             raise Stopped(signum, "sent twice, aborted without saving")
@@ -1992,7 +1967,6 @@ def diagnose(cfg: Config) -> Path:
 @functools.lru_cache(maxsize=None)
 def _lopti_grpo_trainer_class():
     from trl import GRPOTrainer
-
     class LoptiGRPOTrainer(GRPOTrainer):
         """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1) by lopti's reweight_advantages, lopti_masks and
         policy_loss. Lopti replays each generation batch through TRL's num_iterations, which the trainer doubles (on
@@ -2085,7 +2059,6 @@ def train_trl(cfg: Config) -> Path:
     no evaluation (run `lopti.py eval` on checkpoint/) and no --resume."""
     from transformers import TrainerCallback
     from trl import GRPOConfig
-
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
     _check_new_run_folder(out)
     _check_model_name(cfg.model)
