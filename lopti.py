@@ -877,6 +877,9 @@ def toy_main(args: argparse.Namespace) -> dict:
     says otherwise."""
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if hasattr(args, f.name)}
     s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
+    Config(seed=s.seed, steps=s.steps, alpha=s.alpha, eta=s.eta)  # the range checks train makes, in one place
+    if s.seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {s.seeds}")
     out = args.out or (Path("toy") if not given and not args.quick else Path("runs/toy"))
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
@@ -2157,24 +2160,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def _count(lo: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
-        return value
-    return parse
-
-
-def _unit(lo_open: bool):
-    def parse(text: str) -> float:
-        value = float(text)
-        if not ((0 < value if lo_open else 0 <= value) and value <= 1):
-            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}0, 1], got {value}")
-        return value
-    return parse
-
-
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -2220,8 +2205,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lopti.py", description="GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,diagnose,plot}")
     toy = sub.add_parser("toy", help="the paper's mechanism on a toy softmax policy (CPU, < 1 minute)")
-    for name, kind in (("seed", _count(0)), ("steps", _count(1)), ("seeds", _count(1)), ("alpha", _unit(False)),
-                       ("eta", _unit(True))):  # the defaults are ToySettings', not repeated here
+    # the toy's defaults are ToySettings', its range checks Config's (in toy_main)
+    for name, kind in (("seed", int), ("steps", int), ("seeds", int), ("alpha", float), ("eta", float)):
         toy.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=f"default {getattr(ToySettings, name)}"
                          f"{f'; --quick {TOY_QUICK[name]}' if name in TOY_QUICK else ''}")
     toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ when no setting "
