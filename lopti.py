@@ -1333,11 +1333,8 @@ def kk_rewards(completions: list[str], solutions: list[str], format_reward: floa
 
 def pick_device() -> torch.device:
     """cuda -> mps -> cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
 
 
 def has_bf16(device: torch.device) -> bool:
@@ -1508,10 +1505,9 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos_ids = eos_token_ids(model, tokenizer)
-    # Every knob that reshapes the distribution is set to "off" (Qwen's own generation config has top_p 0.8,
-    # top_k 20, repetition_penalty 1.05). transformers 4.50-4.57 also replace any field passed at its library
-    # default (do_sample=False, top_p=1.0, ...) by the model's own value, so the model's config is swapped
-    # for this one during generate.
+    # Every knob that reshapes the distribution is "off" (Qwen's generation config has top_p 0.8, top_k 20,
+    # repetition_penalty 1.05); transformers 4.50-4.57 replace a field passed at its library default by the model's
+    # own value, so the model's config is swapped for this one during generate.
     sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
                                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling,
@@ -1539,11 +1535,9 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
     if cfg.stop_at_answer:
         mask, stopped = cut_at(tokenizer, completions, mask, KK_ANSWER_END)
         truncated &= ~stopped
-    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id), skip_special_tokens=True)
     attention_mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)  # (B, P + C)
-    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated,
-            "texts": texts}
+    return {"input_ids": out, "attention_mask": attention_mask, "mask": mask, "truncated": truncated, "texts": texts}
 
 
 def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
@@ -1585,12 +1579,10 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
         batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
         rewards += kk_rewards(batch["texts"], chunk["solution_text_format"])[0].tolist()
         sizes += [len(names) for names in chunk["names"]]
-    out = {}
+    out = {"eval/accuracy": rewards.count(KK_MAX_REWARD) / max(len(rewards), 1)}
     for n in sorted(set(sizes)):
         r = [x for x, k in zip(rewards, sizes) if k == n]
-        out[f"eval/accuracy_{n}ppl"] = sum(x == KK_MAX_REWARD for x in r) / len(r)
-        out[f"eval/reward_{n}ppl"] = sum(r) / len(r)
-    out["eval/accuracy"] = sum(x == KK_MAX_REWARD for x in rewards) / max(len(rewards), 1)
+        out.update({f"eval/accuracy_{n}ppl": r.count(KK_MAX_REWARD) / len(r), f"eval/reward_{n}ppl": sum(r) / len(r)})
     return out
 
 
@@ -1609,9 +1601,8 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+    import resource  # ru_maxrss: KiB on Linux, bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def _on_oom(phase: str, lower: str, fn: Callable, *args):
@@ -1738,10 +1729,8 @@ def read_jsonl(path: Path) -> list[dict]:
     """The records of a metrics.jsonl/samples.jsonl file; a line torn by a crash mid-write is skipped."""
     records = []
     for line in path.read_text().splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
     return [r for r in records if isinstance(r, dict)]
 
 
