@@ -1844,6 +1844,8 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
                 optimizer) -> None:
     """Steps start + 1 .. cfg.steps; a stop skips the step's evaluation, to save within a short grace period."""
     out = Path(cfg.output_dir)
+    if stop:  # a signal while the run was loading: no step to finish
+        raise Stopped(stop["signum"], f"stopped before step {start + 1}")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
     for step in bar:
         rows = train_rows[step_rows(len(train_rows), cfg, step)]

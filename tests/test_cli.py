@@ -239,8 +239,20 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(tiny_model_dir, tmp_path,
     assert [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl")] == list(range(1, len(steps) + 2))
 
 
+@pytest.fixture
+def sigterm_fails():
+    """A SIGTERM handler that fails the test (not the default, which would end pytest): train must replace it while
+    it runs, and restore it."""
+    def mine(*a):
+        pytest.fail("SIGTERM reached the handler that train replaces")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    yield mine
+    signal.signal(signal.SIGTERM, before)
+
+
 def test_a_second_signal_during_the_save_aborts_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path,
-                                                                               monkeypatch):
+                                                                               monkeypatch, sigterm_fails):
     """SIGTERM during step 3 (whose evaluation is then skipped), and again while step 3's checkpoint is written:
     the save is abandoned, step 2's checkpoint stays, and --resume redoes step 3."""
     monkeypatch.setattr(lopti, "kk_reward", varied_reward)
@@ -259,18 +271,11 @@ def test_a_second_signal_during_the_save_aborts_and_keeps_the_last_checkpoint(ti
     monkeypatch.setattr(lopti, "train_step", step)
     monkeypatch.setattr(lopti, "evaluate", lambda *a: evaluated.append(1) or {})
     monkeypatch.setattr(torch, "save", save)
-    def mine(*a):
-        pytest.fail("SIGTERM reached the handler that train replaces")
-
-    before = signal.signal(signal.SIGTERM, mine)
-    try:
-        cfg = tiny_config(tiny_model_dir, tmp_path / "run", steps=5, eval_every=1, save_every=1)
-        with pytest.raises(lopti.Stopped, match="SIGTERM: sent twice, aborted without saving") as stopped:
-            lopti.train(cfg)
-        assert stopped.value.signum == signal.SIGTERM and len(evaluated) == 2
-        assert signal.getsignal(signal.SIGTERM) is mine  # restored
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", steps=5, eval_every=1, save_every=1)
+    with pytest.raises(lopti.Stopped, match="SIGTERM: sent twice, aborted without saving") as stopped:
+        lopti.train(cfg)
+    assert stopped.value.signum == signal.SIGTERM and len(evaluated) == 2
+    assert signal.getsignal(signal.SIGTERM) is sigterm_fails  # restored
     ckpt = lopti.latest_checkpoint(cfg.output_dir)
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 2
     lopti.load_model(str(ckpt), CPU)  # the weights of step 2 load
@@ -278,6 +283,20 @@ def test_a_second_signal_during_the_save_aborts_and_keeps_the_last_checkpoint(ti
     monkeypatch.setattr(lopti, "kk_reward", varied_reward)
     lopti.train(dataclasses.replace(cfg, steps=3, eval_every=0), resume=True)
     assert [r["step"] for r in lopti.read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_signal_while_loading_stops_before_the_first_step(tiny_model_dir, tmp_path, monkeypatch, sigterm_fails):
+    real_data = lopti.load_task_data
+
+    def data(*args):  # SIGTERM while the run loads its data and model
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_data(*args)
+
+    monkeypatch.setattr(lopti, "load_task_data", data)
+    monkeypatch.setattr(lopti, "train_step", lambda *a: pytest.fail("a step started after the signal"))
+    with pytest.raises(lopti.Stopped, match="SIGTERM: stopped before step 1") as stopped:
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "run"))
+    assert stopped.value.signum == signal.SIGTERM and lopti.latest_checkpoint(str(tmp_path / "run")) is None
 
 
 def test_resume_refuses_other_settings_before_loading_or_writing(tiny_model_dir, tmp_path, monkeypatch, capsys):
