@@ -1753,8 +1753,8 @@ def _check_new_run_folder(out: Path, hint: str = "") -> None:
         raise FileExistsError(f"{out}/ holds another run; {hint}choose another --output_dir")
 
 
-# What --resume may change: schedule, evaluation, memory and the folder's place, not what the run learns (to float
-# rounding; a new generation_batch_size draws other samples from the same policy).
+# What --resume may change: schedule, evaluation, memory (same steps to float rounding; other random draws for
+# generation_batch_size) and the folder's place; not what the run learns.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
                      "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir")
 
