@@ -448,7 +448,8 @@ def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, bat
     params, mask = [p for p in model.parameters() if p.requires_grad], batch["mask"].bool()
     masks, n = bin_masks(batch["old_logprobs"], mask), int(mask.sum())
     grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
-    for micro in rows_with_gradient(batch["advantages"], 0.0).nonzero().squeeze(1).cpu().split(cfg.micro_batch_size):
+    rows = rows_with_gradient(batch["advantages"], 0.0).nonzero().squeeze(1).cpu()
+    for micro in rows.split(cfg.micro_batch_size) if len(rows) else ():  # (an empty tensor splits into one part)
         sub = {k: v[micro] for k, v in batch.items()}
         logp = logprob_fn(sub)  # (b, T)
         for b in range(4):
@@ -484,7 +485,7 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
     @torch.no_grad()
     def logprobs_now(rows: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(batch["old_logprobs"])  # (B, T); the other rows are not computed
-        for r in rows.split(cfg.micro_batch_size):
+        for r in rows.split(cfg.micro_batch_size) if len(rows) else ():
             out[r] = logprob_fn({k: v[r] for k, v in batch.items()}).to(out.dtype)
         return out
 

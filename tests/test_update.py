@@ -235,3 +235,13 @@ def test_correct_direction_of_a_known_case_and_the_weights_are_restored():
         assert r["correct_direction"][o]["grpo"] == [1.0, None, None, 0.0], o
     assert torch.equal(model.weight.detach(), before)  # every probe restored the weights bit for bit
     assert r["prob_change"]["lowest_only"]["mean"][0] > 0 > r["prob_change"]["lowest_only"]["mean"][3]
+
+
+def test_a_batch_without_advantages_has_nothing_to_measure():
+    """Every group scored alike (a policy collapsed onto one answer): no gradient, no step, no A > 0 token."""
+    weight, batch = _problem()
+    model = _Linear(weight)
+    r = measure_bins(Config(micro_batch_size=4), model, model.logprobs, {**batch, "advantages": torch.zeros(B)})
+    assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"]["nonzero_advantage"] == [None] * 4
+    assert all(v == [None] * 4 for o in r["correct_direction"].values() for v in o.values())
+    assert r["prob_change"]["all"]["mean"] == [0.0] * 4 and torch.equal(model.weight.detach(), weight)
