@@ -364,13 +364,10 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     B = batch["mask"].shape[0]
     mask = batch["mask"].bool()
     adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], cfg.alpha)  # (B, T); AR before Lopti
-    if cfg.lopti:
+    stages = [("all", mask)]
+    if cfg.lopti:  # low-probability tokens first; "high_first" is the paper's ablation
         low, high = lopti_masks(batch["old_logprobs"], mask, cfg.eta)
-        stages = [("low", low), ("high", high)]
-        if cfg.lopti_order == "high_first":
-            stages.reverse()
-    else:
-        stages = [("all", mask)]
+        stages = [("low", low), ("high", high)] if cfg.lopti_order == "low_first" else [("high", high), ("low", low)]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     active = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T) tokens of rows with a gradient
     weight = reweight_advantages(torch.ones(B, device=mask.device), batch["old_logprobs"], cfg.alpha)  # (B, T)
@@ -414,12 +411,10 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
                 optimizer.step()
                 losses.append(loss_sum)
         out.update({f"{name}/{k}": v / max(kl_total if k == "kl_ref" else total, 1.0) for k, v in token_sums.items()})
-        out[f"{name}/skipped_steps"] = skipped
-        out[f"{name}/loss"] = sum(losses) / max(len(losses), 1)
-        out[f"{name}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        out[f"{name}/token_share"] = float((stage_mask & active).sum()) / float(active.sum()) if active.any() else None
-        out[f"{name}/rows"] = float(in_pass.float().mean())
-        out[f"time/update_{name}"] = time.perf_counter() - t0
+        share = float((stage_mask & active).sum()) / float(active.sum()) if active.any() else None
+        out.update({f"{name}/skipped_steps": skipped, f"{name}/loss": sum(losses) / max(len(losses), 1),
+                    f"{name}/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), f"{name}/token_share": share,
+                    f"{name}/rows": float(in_pass.float().mean()), f"time/update_{name}": time.perf_counter() - t0})
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return out
 
@@ -1039,15 +1034,12 @@ def _kk_leaf_text(names, leaf, negate=False):
 
 def _kk_statement_text(names, stmt):
     """The benchmark's English for one statement (depth <= 2)."""
-    if stmt[0] == "not":
-        return _kk_leaf_text(names, stmt[1], negate=True)
-    if stmt[0] in ("and", "or"):
-        return f" {stmt[0]} ".join(_kk_leaf_text(names, s) for s in stmt[1:])
-    if stmt[0] == "->":
-        return f"If {_kk_leaf_text(names, stmt[1])} then {_kk_leaf_text(names, stmt[2])}"
-    if stmt[0] == "<=>":
-        return f"{_kk_leaf_text(names, stmt[1])} if and only if {_kk_leaf_text(names, stmt[2])}"
-    return _kk_leaf_text(names, stmt)
+    if stmt[0] not in _KK_OPS:
+        return _kk_leaf_text(names, stmt)
+    leaves = [_kk_leaf_text(names, s, negate=stmt[0] == "not") for s in stmt[1:]]
+    if stmt[0] in ("not", "and", "or"):
+        return f" {stmt[0]} ".join(leaves)  # ("not" has one leaf, negated)
+    return f"If {leaves[0]} then {leaves[1]}" if stmt[0] == "->" else f"{leaves[0]} if and only if {leaves[1]}"
 
 
 def _kk_solution_texts(names, solution):
@@ -2154,11 +2146,9 @@ PRESETS: dict[str, dict] = {
 
 
 def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes", "on")
 
 
 EVAL_FIELDS = ("model", "eval_data", "eval_size", "eval_batch_size", "num_people", "max_completion_length",
