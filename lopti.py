@@ -426,8 +426,8 @@ PAPER_FIGURES = {  # the paper's GRPO run on K&K (Qwen2.5-7B-Instruct-1M): Figur
     "token_share": [0.1922, 0.1015, 0.1009, 0.6054], "grad_norm": {"bins": [0.71, 0.36, 0.24, 0.15], "all": 0.82},
     "correct_direction": {"grpo": [0.530, 0.514, 0.501, 0.497], "ar": [0.520, 0.525, 0.530, 0.526],
                           "lopti": [0.524, 0.517, 0.512, 0.534]}}
-PROBE_METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti": dict(alpha=0.0),
-                 "ar_lopti": {}}  # Config overrides; AR and Lopti keep the Config's alpha and eta
+PROBE_METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti": dict(alpha=0.0, lopti=True),
+                 "ar_lopti": dict(lopti=True)}  # Config overrides; AR and Lopti keep the Config's alpha and eta
 
 
 def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -491,8 +491,9 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
                 torch._foreach_add_(params, grad, alpha=-sgd_lr)
         else:
             clip = cfg.max_grad_norm if optimiser == "adamw" else 1e30  # (1e30: no clip)
-            pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip,
-                                   "beta": cfg.beta if "ref_logprobs" in batch else 0.0, **PROBE_METHODS[method]})
+            pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip, "beta": 0.0,
+                                   "alpha": cfg.alpha or Config.alpha, "lopti_order": "low_first",
+                                   **PROBE_METHODS[method]})  # (no KL term, as Figure 1 (d)'s gradients)
             opt = torch.optim.SGD(params, lr=sgd_lr) if optimiser == "sgd" else make_optimizer(model, pcfg)
             update_policy(pcfg, logprob_fn, opt, {**batch, "advantages": advantages})
         after = logprobs_now(rows)
@@ -501,7 +502,9 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
                 p.copy_(s)
         return after
 
+    rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
     before = logprobs_now(torch.arange(B))  # pi_old by the probes' own forward: "rose" compares like with like
+    before_up, grpo_up = logprobs_now(rows_up), probe("grpo", "sgd", grad=grads[4], rows=rows_up)  # like with like
     in_bin = lambda x, m: [x[k & m] for k in masks]  # noqa: E731
     stat = lambda xs, f: [None if x.numel() == 0 else float(f(x)) for x in xs]  # noqa: E731
     grpo_all = probe("grpo", "sgd", grad=grads[4])
@@ -511,12 +514,11 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
         d = in_bin(after.exp() - before.exp(), mask)
         out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
     del grads  # (memory for the AdamW probes' state)
-    rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
     out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
     for o in out["correct_direction"]:
         for m in PROBE_METHODS:
-            after = grpo_all if (m, o) == ("grpo", "sgd") else probe(m, o, batch["advantages"], rows=rows_up)
-            out["correct_direction"][o][m] = stat(in_bin((after > before).float(), adv > 0), torch.mean)
+            after = grpo_up if (m, o) == ("grpo", "sgd") else probe(m, o, batch["advantages"], rows=rows_up)
+            out["correct_direction"][o][m] = stat(in_bin((after > before_up).float(), adv > 0), torch.mean)
     return out
 
 
@@ -770,7 +772,7 @@ def run_toy(s: ToySettings) -> dict:
 def toy_paired(diff: dict, n: int) -> dict:
     """A paired difference's mean +- std over n batches or seeds; 'clear' when |mean| > 2 standard errors."""
     return {"evidence": f"{diff['mean']:+.4f} +- {diff['std']:.4f} (n={n})",
-            "clear": abs(diff["mean"]) > 2 * diff["std"] / math.sqrt(n)}
+            "clear": n > 1 and abs(diff["mean"]) > 2 * diff["std"] / math.sqrt(n)}
 
 
 def toy_checks(r: dict) -> list[dict]:
@@ -1606,7 +1608,8 @@ def _on_oom(phase: str, lower: str, fn: Callable, *args):
         return fn(*args)
     except torch.OutOfMemoryError:
         raise MemoryError(f"out of GPU memory in the {phase}; lower {lower}, then continue with --resume (the last "
-                          "checkpoint is intact)") from None
+                          "checkpoint is intact), or start a new --output_dir with a lower --max_completion_length"
+                          ) from None
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device,
@@ -1617,8 +1620,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     G = cfg.num_generations
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
-    batch = _on_oom("rollout", "--generation_batch_size or --max_completion_length", rollout, model, tokenizer,
-                    prompts, cfg, device)
+    batch = _on_oom("rollout", "--generation_batch_size", rollout, model, tokenizer, prompts, cfg, device)
     t1 = time.perf_counter()
     solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
     rewards, trained = kk_rewards(batch["texts"], solutions, cfg.format_reward)  # (B,) Logic-RL's, (B,) training
@@ -1640,10 +1642,13 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
 
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
-    diag = {"diagnose": measure_bins(cfg, model, logprob_fn, tensors)} if measure else {}
+    # measure_bins' forwards in fp32 even where training runs in bf16: a probe's step is far below bf16's resolution
+    fp32_logprobs = functools.partial(completion_logprobs, model, temperature=cfg.temperature)
+    diag = {"diagnose": _on_oom("diagnose measurement", "--micro_batch_size (or --diagnose_every 0)", measure_bins,
+                                cfg, model, fp32_logprobs, tensors)} if measure else {}
     t3 = time.perf_counter()
-    stats = _on_oom("update", "--micro_batch_size or --max_completion_length (or set --gradient_checkpointing "
-                    "true)", update_policy, cfg, logprob_fn, optimizer, tensors) if optimizer else {}
+    stats = _on_oom("update", "--micro_batch_size (or set --gradient_checkpointing true)", update_policy, cfg,
+                    logprob_fn, optimizer, tensors) if optimizer else {}
     grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -1711,11 +1716,19 @@ def _flatten(record: dict, prefix: str = "") -> dict:
             isinstance(value, dict) else [(f"{prefix}{key}", value)])}
 
 
+def _strict(value):
+    """`value` with every NaN or inf, also inside lists and dicts, as None: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return {k: _strict(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
 def append_jsonl(path: Path, record: dict) -> None:
-    """One strict-JSON line with nested dicts flattened (a NaN or inf value is written as null), flushed."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in _flatten(record).items()}
+    """One strict-JSON line, nested dicts flattened (a NaN or inf value is written as null), flushed."""
     with open(path, "a") as f:
-        f.write(json.dumps(clean, allow_nan=False) + "\n")
+        f.write(json.dumps(_strict(_flatten(record)), allow_nan=False) + "\n")
         f.flush()
 
 
@@ -1747,9 +1760,9 @@ def _check_new_run_folder(out: Path, hint: str = "") -> None:
         raise FileExistsError(f"{out}/ holds another run; {hint}choose another --output_dir")
 
 
-# What --resume may change: schedule, evaluation, memory (same steps to float rounding; other random draws for
-# generation_batch_size) and the folder's place; not what the run learns.
-RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
+# What --resume may change: schedule, evaluation, the measurement (it restores the weights), memory (the same steps to
+# float rounding; other random draws for generation_batch_size) and the folder's place; not what the run learns.
+RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size", "diagnose_every",
                      "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir")
 
 
@@ -1812,26 +1825,30 @@ def _run_guard(out: Path, stop: dict, lock: bool = True):
     """While a run writes `out`: a lock on the folder (flock; the OS drops it when the process ends, even on kill -9)
     refuses a second run there; Ctrl-C or SIGTERM (how Colab, SLURM, Kubernetes stop a job) sets stop["signum"]: the
     run finishes its step, saves and raises Stopped. A second signal raises Stopped at once (the checkpoint stays)."""
-    import fcntl
     def on_signal(signum, frame):
         if stop:
             raise Stopped(signum, "sent twice, aborted without saving")
         stop["signum"] = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
 
-    fd, previous = os.open(out, os.O_RDONLY), {}
+    fd, previous = None, {}
     try:
         try:
             if lock:
+                import fcntl  # POSIX
+                fd = os.open(out, os.O_RDONLY)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise BlockingIOError(f"{out}/ is in use by another run; wait for it to end") from None
+        except (ImportError, OSError) as e:  # Windows, or a file system without locks: the run goes on, unlocked
+            warnings.warn(f"{out}/ cannot be locked ({e}); a second train there would not be refused")
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_rows, tokenizer, model, ref_model,
@@ -1873,6 +1890,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
     stop = {}
     with _run_guard(out, stop):
+        if not resume:  # again under the lock: another train may have begun here since the check above
+            _check_new_run_folder(out, "pass --resume to continue it, or ")
         ckpt, state = _resume_point(cfg, out, saved) if resume else (None, {"step": 0})
         objects = _run_objects(cfg, ckpt, state)
         _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
@@ -1937,7 +1956,7 @@ def diagnose(cfg: Config) -> Path:
     m = train_step(cfg, model, None, tokenizer, None, train_rows[step_rows(len(train_rows), cfg, 0)], device, True)
     r = {"bins": list(BIN_NAMES), **m["diagnose"], "paper": PAPER_FIGURES}
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out, json.dumps(r, indent=1) + "\n")
+    _atomic_write(out, json.dumps(_strict(r), indent=1, allow_nan=False) + "\n")
     print(f"reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s (measurement {m['time/diagnose']:.0f} s)")
     plt = _pyplot()
     if plt is not None:
