@@ -62,14 +62,16 @@ def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(tin
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a crash after step 3's log line, mid-write
         f.write(json.dumps({"step": 3, "reward": 99.0}) + "\n" + '{"step": 4, "rew')
     saved = json.loads((tmp_path / "b" / "config.json").read_text())
-    # what may change: memory settings (micro-batches: update_policy divides by the mini-batch's token count)
+    # what may change: memory settings (micro-batches: update_policy divides by the mini-batch's token count), the
+    # measurement (it restores the weights and draws no random numbers)
     args = train_args(["--resume", "--output_dir", str(tmp_path / "b"), "--steps", "3", "--micro_batch_size", "1",
-                       "--gradient_checkpointing", "true", "--eval_every", "1"])
+                       "--gradient_checkpointing", "true", "--eval_every", "1", "--diagnose_every", "1"])
     cfg = lopti.resolve_config(args)
     assert cfg.model == str(tiny_model_dir) and cfg.steps == 3  # the saved config, with the explicit override
     resumed = lopti.train(cfg, resume=True)
     assert json.loads((tmp_path / "b" / "config.json").read_text()) == {
-        **saved, "steps": 3, "micro_batch_size": 1, "gradient_checkpointing": True, "eval_every": 1}
+        **saved, "steps": 3, "micro_batch_size": 1, "gradient_checkpointing": True, "eval_every": 1,
+        "diagnose_every": 1}
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # (the torn line and step 3 written before the "crash" are dropped on resume)
     a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, resumed))

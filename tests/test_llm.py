@@ -273,10 +273,11 @@ def test_a_step_where_no_row_has_an_advantage_computes_nothing(tiny_model_dir, m
 
 
 def test_metrics_are_strict_json(tmp_path):
-    lopti.append_jsonl(tmp_path / "m.jsonl", {"step": 1, "a": float("nan"), "b": float("inf"), "c": None, "d": 0.5})
+    lopti.append_jsonl(tmp_path / "m.jsonl", {"step": 1, "a": float("nan"), "b": float("inf"), "c": None, "d": 0.5,
+                                              "diagnose": {"bins": [0.1, float("nan")]}})  # also inside lists
     line = (tmp_path / "m.jsonl").read_text()
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}")) == {
-        "step": 1, "a": None, "b": None, "c": None, "d": 0.5}
+        "step": 1, "a": None, "b": None, "c": None, "d": 0.5, "diagnose/bins": [0.1, None]}
 
 
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(tiny_model_dir, tmp_path, monkeypatch):

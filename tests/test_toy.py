@@ -118,3 +118,9 @@ def test_only_the_default_run_writes_toy_folder(monkeypatch, tmp_path):
     settings = [w for w in written if isinstance(w, ToySettings)]
     assert settings[2] == ToySettings() and settings[1] == ToySettings(seed=3)
     assert settings[0] == ToySettings(**lopti.TOY_QUICK)
+
+
+def test_one_seed_is_never_clear_evidence():
+    """A paired difference over n = 1 has no spread to compare with: it is reported, never called clear."""
+    assert lopti.toy_paired({"mean": 0.001, "std": 0.0}, 1)["clear"] is False
+    assert lopti.toy_paired({"mean": 0.1, "std": 0.01}, 4)["clear"] is True

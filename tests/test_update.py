@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import lopti
 from lopti import (Config, bin_gradients, bin_masks, group_advantages, lopti_masks, measure_bins, policy_loss,
                    reweight_advantages, token_logprobs, update_policy)
 
@@ -245,3 +246,20 @@ def test_a_batch_without_advantages_has_nothing_to_measure():
     assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"]["nonzero_advantage"] == [None] * 4
     assert all(v == [None] * 4 for o in r["correct_direction"].values() for v in o.values())
     assert r["prob_change"]["all"]["mean"] == [0.0] * 4 and torch.equal(model.weight.detach(), weight)
+
+
+@pytest.mark.parametrize("run", [dict(alpha=0.0, lopti=False), dict(alpha=0.1, lopti=True, lopti_order="high_first",
+                                                                   beta=0.01)])
+def test_each_probe_is_its_own_method_whatever_the_run_measured(run, monkeypatch):
+    """A GRPO run's checkpoint (alpha 0, no Lopti) or a high-first run with a KL term: the four probes are still GRPO,
+    AR, Lopti (low first) and AR+Lopti, AR at the run's alpha or the paper's, and none has a KL term (as Figure 1 (d)'s
+    gradients); the SGD probe of GRPO steps along the gradient itself, so update_policy is not called for it."""
+    weight, batch = _problem()
+    model, seen = _Linear(weight), []
+    real = lopti.update_policy
+    monkeypatch.setattr(lopti, "update_policy", lambda cfg, *a: seen.append(cfg) or real(cfg, *a))
+    measure_bins(Config(micro_batch_size=4, **run), model, model.logprobs, batch)
+    alpha = run["alpha"] or Config.alpha
+    expected = [(0.0, False), (alpha, False), (0.0, True), (alpha, True)]  # grpo, ar, lopti, ar_lopti
+    assert [(c.alpha, c.lopti) for c in seen] == expected[1:] + expected  # sgd (no grpo), then adamw
+    assert all(c.beta == 0.0 and c.lopti_order == "low_first" for c in seen)
