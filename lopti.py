@@ -334,8 +334,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the official scripts train: betas 0.9/0.999, constant learning rate. Fused: the default (foreach on a
-    GPU) holds a temporary copy of the parameters during the step (tests/bench_memory.py: fused peaks 1.1 GB lower)."""
+    """AdamW as the official scripts train: betas 0.9/0.999, constant learning rate. Fused: the default holds
+    temporaries as large as the parameters during the step (a Qwen2.5-0.5B-shaped model's step: 1.1 GB, on CPU)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
                              weight_decay=cfg.weight_decay, fused=True)
 
@@ -2152,7 +2152,7 @@ PRESETS: dict[str, dict] = {
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
                 eval_size=16, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
     # a free Colab T4 (15 GB, fp32: no bf16), < 3 h: Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512 tokens, no
-    # reference model (+2 GB). tests/bench_memory.py: peak 10.1 GB (CPU, fp32), at most 88 s a step on a T4 (estimated)
+    # reference model (+2 GB). tests/bench_memory.py: peak 9.9 GB (CPU, fp32), at most 88 s a step on a T4 (estimated)
     "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=100, prompts_per_step=4,
                   num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
                   gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
