@@ -1944,11 +1944,12 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
 def diagnose(cfg: Config) -> Path:
     """`python lopti.py diagnose`: one rollout batch of cfg.model (step 1's prompts for cfg.seed), scored as
     train_step scores it (reward with format credit, group advantages, pi_old), then measure_bins. Writes
-    diagnose_seed<S>.json and a PNG beside the paper's numbers under cfg.output_dir."""
+    diagnose_<model folder or hub name>_seed<S>.json (so a checkpoint's and the base model's do not overwrite each
+    other) and a PNG beside the paper's numbers under cfg.output_dir."""
     tokenizer = load_tokenizer(cfg.model)  # (a bad --model fails here, before anything is written)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.model} has no chat template: diagnose measures an instruct model on K&K's chat prompt")
-    out = Path(cfg.output_dir) / f"diagnose_seed{cfg.seed}.json"
+    out = Path(cfg.output_dir) / f"diagnose_{Path(cfg.model).name}_seed{cfg.seed}.json"
     device, t0 = pick_device(), time.perf_counter()
     torch.manual_seed(cfg.seed)
     train_rows = load_task_data(cfg)[0]

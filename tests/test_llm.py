@@ -549,7 +549,7 @@ def test_diagnose_leaves_the_weights_bit_identical_and_writes_the_papers_keys(ti
     json.dumps(d, allow_nan=False)  # an empty bin is None, never NaN
     assert lopti.main(["diagnose", "--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "d"),
                        *TINY_FLAGS]) == 0
-    r = json.loads((tmp_path / "d" / "diagnose_seed0.json").read_text())
+    r = json.loads((tmp_path / "d" / f"diagnose_{tiny_model_dir.name}_seed0.json").read_text())
     assert list(r) == ["bins", "token_share", "grad_norm", "prob_change", "correct_direction", "paper"]
     assert r["paper"]["correct_direction"]["grpo"] == [0.530, 0.514, 0.501, 0.497]
 
