@@ -486,9 +486,16 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
 
     def probe(method: str, optimiser: str, advantages: torch.Tensor | None = None, grad=None,
               rows: torch.Tensor = torch.arange(B)) -> torch.Tensor:
-        if grad is not None:
-            with torch.no_grad():
-                torch._foreach_add_(params, grad, alpha=-sgd_lr)
+        if grad is not None:  # GRPO's gradient at these weights is the bins' sum: a step along it needs no backward
+            if optimiser == "sgd":
+                with torch.no_grad():
+                    torch._foreach_add_(params, grad, alpha=-sgd_lr)
+            elif any(g.any() for g in grad):  # as update_policy: no step without a gradient, none on a NaN one
+                for p, g in zip(params, grad):
+                    p.grad = g.clone()
+                if math.isfinite(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))):
+                    make_optimizer(model, cfg).step()
+                model.zero_grad(set_to_none=True)
         else:
             clip = cfg.max_grad_norm if optimiser == "adamw" else 1e30  # (1e30: no clip)
             pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip, "beta": 0.0,
@@ -504,7 +511,7 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
 
     rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
     before = logprobs_now(torch.arange(B))  # pi_old by the probes' own forward: "rose" compares like with like
-    before_up, grpo_up = logprobs_now(rows_up), probe("grpo", "sgd", grad=grads[4], rows=rows_up)  # like with like
+    before_up = logprobs_now(rows_up)  # the rows the Figure 3 probes score, in the same micro-batches
     in_bin = lambda x, m: [x[k & m] for k in masks]  # noqa: E731
     stat = lambda xs, f: [None if x.numel() == 0 else float(f(x)) for x in xs]  # noqa: E731
     grpo_all = probe("grpo", "sgd", grad=grads[4])
@@ -513,11 +520,11 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
                         ("highest_only", probe("grpo", "sgd", grad=grads[3]))):
         d = in_bin(after.exp() - before.exp(), mask)
         out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
-    del grads  # (memory for the AdamW probes' state)
+    grads = grads[4]  # (memory for the AdamW probes' state)
     out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
     for o in out["correct_direction"]:
         for m in PROBE_METHODS:
-            after = grpo_up if (m, o) == ("grpo", "sgd") else probe(m, o, batch["advantages"], rows=rows_up)
+            after = probe(m, o, batch["advantages"], grads if m == "grpo" else None, rows=rows_up)
             out["correct_direction"][o][m] = stat(in_bin((after > before_up).float(), adv > 0), torch.mean)
     return out
 

@@ -253,7 +253,7 @@ def test_a_batch_without_advantages_has_nothing_to_measure():
 def test_each_probe_is_its_own_method_whatever_the_run_measured(run, monkeypatch):
     """A GRPO run's checkpoint (alpha 0, no Lopti) or a high-first run with a KL term: the four probes are still GRPO,
     AR, Lopti (low first) and AR+Lopti, AR at the run's alpha or the paper's, and none has a KL term (as Figure 1 (d)'s
-    gradients); the SGD probe of GRPO steps along the gradient itself, so update_policy is not called for it."""
+    gradients); GRPO's probes step along its gradient itself, so update_policy is not called for them."""
     weight, batch = _problem()
     model, seen = _Linear(weight), []
     real = lopti.update_policy
@@ -261,5 +261,20 @@ def test_each_probe_is_its_own_method_whatever_the_run_measured(run, monkeypatch
     measure_bins(Config(micro_batch_size=4, **run), model, model.logprobs, batch)
     alpha = run["alpha"] or Config.alpha
     expected = [(0.0, False), (alpha, False), (0.0, True), (alpha, True)]  # grpo, ar, lopti, ar_lopti
-    assert [(c.alpha, c.lopti) for c in seen] == expected[1:] + expected  # sgd (no grpo), then adamw
+    assert [(c.alpha, c.lopti) for c in seen] == expected[1:] * 2  # sgd, then adamw; GRPO steps along its gradient
     assert all(c.beta == 0.0 and c.lopti_order == "low_first" for c in seen)
+
+
+def test_grpos_probe_step_along_the_bins_gradient_is_update_policys_step():
+    """measure_bins steps GRPO's probes along bin_gradients' sum instead of running update_policy again: the AdamW
+    step (gradient clip, fresh state) lands on the same weights as update_policy's."""
+    weight, batch = _problem()
+    cfg = Config(micro_batch_size=4, learning_rate=1e-3, max_grad_norm=0.01)  # (a clip that bites)
+    model = _Linear(weight)
+    model.weight.grad = sum(g[0] for g in bin_gradients(cfg, model, model.logprobs, batch))
+    torch.nn.utils.clip_grad_norm_([model.weight], cfg.max_grad_norm)
+    lopti.make_optimizer(model, cfg).step()
+    reference = _Linear(weight)
+    grpo = dataclasses.replace(cfg, mini_batch_size=B, num_iterations=1, beta=0.0, alpha=0.0, lopti=False)
+    update_policy(grpo, reference.logprobs, lopti.make_optimizer(reference, grpo), batch)
+    assert not torch.equal(model.weight, weight) and torch.equal(model.weight, reference.weight)
