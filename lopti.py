@@ -462,10 +462,10 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
     (bin_gradients'; "all": of their sum), prob_change (mean and spread of pi_new - pi_old after one SGD probe of
     GRPO on all tokens, only the lowest bin, only the highest), correct_direction (the share of A > 0 tokens whose
     pi rose after one probe of each method). A probe is update_policy (Lopti: both stages), one step per pass from
-    the same weights: "sgd" at `sgd_lr`, no clip (Figure 3's caption: SGD, lr 1e-3; GRPO's steps along the bins'
-    gradient sum, the same step), or "adamw": the trainer's AdamW, lr and clip, fresh state shared by Lopti's two
-    stages as in training. Change = exp(new logp) - exp(old logp), as the official plots (verl/trainer/fig_plot.py).
-    The weights are restored bit for bit after every probe."""
+    the same weights: "sgd" at `sgd_lr`, no clip (Figure 3's caption: SGD, lr 1e-3), or "adamw": the trainer's AdamW,
+    lr and clip, fresh state shared by Lopti's two stages as in training. GRPO's probes step along the bins' gradient
+    sum, which is update_policy's step without its backward (tested). Change = exp(new logp) - exp(old logp), as
+    the official plots (verl/trainer/fig_plot.py). The weights are restored bit for bit after every probe."""
     mask, B = batch["mask"].bool(), batch["mask"].shape[0]
     masks, adv = bin_masks(batch["old_logprobs"], mask), _token_advantages(batch["advantages"], batch["mask"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -520,11 +520,12 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
                         ("highest_only", probe("grpo", "sgd", grad=grads[3]))):
         d = in_bin(after.exp() - before.exp(), mask)
         out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
-    grads = grads[4]  # (memory for the AdamW probes' state)
+    grad_all = grads[4]
+    del grads  # (memory for the AdamW probes' state)
     out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
     for o in out["correct_direction"]:
         for m in PROBE_METHODS:
-            after = probe(m, o, batch["advantages"], grads if m == "grpo" else None, rows=rows_up)
+            after = probe(m, o, batch["advantages"], grad_all if m == "grpo" else None, rows=rows_up)
             out["correct_direction"][o][m] = stat(in_bin((after > before_up).float(), adv > 0), torch.mean)
     return out
 
