@@ -28,6 +28,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -265,7 +266,7 @@ def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> t
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 epsilon: float = 0.2, epsilon_high: float = 0.24, dual_clip: float = 10.0,
                 ref_logprobs: torch.Tensor | None = None, beta: float = 0.0, kl_mask: torch.Tensor | None = None,
-                num_tokens: int | float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                num_tokens: int | float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official: core_algos.py):
 
         ratio = exp(logp - old_logp)
@@ -294,10 +295,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     mask = mask.bool()
     kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # never on padding
     if num_tokens is None:
-        num_tokens = mask.sum()
-    if not 0 <= float(num_tokens) < math.inf:
-        raise ValueError(f"num_tokens must be finite and >= 0, got {float(num_tokens)}")
-    denom = max(float(num_tokens), 1.0)
+        num_tokens = mask.sum()  # (a tensor stays on the device: it is not checked)
+    elif not isinstance(num_tokens, torch.Tensor) and not 0 <= num_tokens < math.inf:
+        raise ValueError(f"num_tokens must be finite and >= 0, got {num_tokens}")
+    denom = num_tokens.clamp(min=1) if isinstance(num_tokens, torch.Tensor) else max(num_tokens, 1)
 
     # Padding may hold -inf or garbage log-probs: zero the log-ratio there before exp (no NaN gradients). The
     # clamp to [-20, 20] is upstream verl's (the official fork has none): past ~88.7 exp() overflows and the
@@ -316,16 +317,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         if beta > 0:
             loss = loss + beta * torch.where(kl_mask, kl_ref, torch.zeros_like(pg)).sum() / denom
 
-    with torch.no_grad():
-        n, n_kl = max(int(mask.sum()), 1), max(int(kl_mask.sum()), 1)
-        frac = lambda x: float((x & mask).sum()) / n  # noqa: E731
+    with torch.no_grad():  # 0-dim tensors: no GPU sync (log_ratio is 0 off `mask`, kl_ref off `kl_mask`)
+        n, n_kl = mask.sum().clamp(min=1), kl_mask.sum().clamp(min=1)
+        frac = lambda x: (x & mask).sum() / n  # noqa: E731
         stats = {
             "clip_high": frac((ratio > 1 + epsilon_high) & (adv > 0)),
             "clip_low": frac((ratio < 1 - epsilon) & (adv < 0)),
             "clip_dual": frac((ratio > dual_clip) & (adv < 0)),
-            "kl_ref": float(kl_ref[kl_mask].sum()) / n_kl,
-            "kl_old": float(-log_ratio[mask].sum()) / n,  # the official "ppo_kl"
-            "tokens": float(mask.sum()),
+            "kl_ref": kl_ref.sum() / n_kl,
+            "kl_old": -log_ratio.sum() / n,  # the official "ppo_kl"
+            "tokens": mask.sum(),
         }
     return loss, stats
 
@@ -373,9 +374,9 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     weight = reweight_advantages(torch.ones(B, device=mask.device), batch["old_logprobs"], cfg.alpha)  # (B, T)
     out = {"ar_weight": float(weight[active].mean()) if active.any() else None}
     for name, stage_mask in stages:
-        t0 = time.perf_counter()
         in_pass = (active & stage_mask).any(1).cpu()  # (B,) rows with a gradient in this pass
-        # token-weighted sums of policy_loss's stats, every key present even if the stage is empty
+        t0 = time.perf_counter()  # (.cpu() waited for a GPU's queued work; so does float() at the end of the pass)
+        # token-weighted sums of policy_loss's stats (tensors: no GPU sync), every key present even for an empty stage
         token_sums = dict.fromkeys(("clip_high", "clip_low", "clip_dual", "kl_ref", "kl_old"), 0.0)
         losses, grad_norms, total, kl_total, skipped = [], [], 0.0, 0.0, 0
         for _ in range(cfg.num_iterations):
@@ -386,7 +387,7 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
                     continue  # on a zero gradient would still move the weights through AdamW's momentum and decay)
                 # The whole mini-batch's token count, in every stage (policy_loss's num_tokens). Our choice, where
                 # verl averages per-micro-batch token-means: it makes gradient accumulation exact.
-                n = int(mask[rows].sum())
+                n = mask[rows].sum()
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for micro in todo.split(cfg.micro_batch_size):
@@ -397,8 +398,8 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
                         ref_logprobs=sub.get("ref_logprobs"), beta=cfg.beta, kl_mask=stage_mask[micro],
                         num_tokens=n)
                     loss.backward()
-                    loss_sum += loss.item()
-                    t, t_kl = stats.pop("tokens"), float(stage_mask[micro].sum())
+                    loss_sum += loss.detach()
+                    t, t_kl = stats.pop("tokens"), stage_mask[micro].sum()
                     total, kl_total = total + t, kl_total + t_kl
                     for k, v in stats.items():
                         token_sums[k] += v * (t_kl if k == "kl_ref" else t)
@@ -409,8 +410,9 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
                     continue
                 grad_norms.append(grad_norm)
                 optimizer.step()
-                losses.append(loss_sum)
-        out.update({f"{name}/{k}": v / max(kl_total if k == "kl_ref" else total, 1.0) for k, v in token_sums.items()})
+                losses.append(float(loss_sum))
+        out.update({f"{name}/{k}": float(v) / max(float(kl_total if k == "kl_ref" else total), 1.0)
+                    for k, v in token_sums.items()})
         share = float((stage_mask & active).sum()) / float(active.sum()) if active.any() else None
         out.update({f"{name}/skipped_steps": skipped, f"{name}/loss": sum(losses) / max(len(losses), 1),
                     f"{name}/grad_norm": sum(grad_norms) / max(len(grad_norms), 1), f"{name}/token_share": share,
@@ -1599,29 +1601,39 @@ def evaluate_model(cfg: Config) -> dict[str, float]:
     _check_model_name(cfg.model)
     rows = load_task_data(cfg)[1] if cfg.eval_data == "generate" else kk_load(cfg.eval_data)
     device = pick_device()
-    return evaluate(load_model(cfg.model, device), load_tokenizer(cfg.model), rows, cfg, device)
+    model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
+    return _on_oom("evaluation", "--eval_batch_size", evaluate, model, tokenizer, rows, cfg, device)
 
 
 # --- the training loop, checkpoints and resume
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process elsewhere."""
+    """Peak memory in GiB: on CUDA the allocator's reserved peak (what runs out) since the previous call, which resets
+    it (in train_step: this step and the previous one's evaluation); elsewhere the process's lifetime peak resident size."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        peak = torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
     import resource  # ru_maxrss: KiB on Linux, bytes on macOS
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def _on_oom(phase: str, lower: str, fn: Callable, *args):
-    """fn(*args); CUDA running out of memory becomes one line naming the phase and the settings to lower. It
-    stops the run before anything is saved, so the last checkpoint stays as it was."""
+    """fn(*args); running out of GPU or CPU memory (a MemoryError, torch's "can't allocate memory") becomes one line
+    naming the phase and the setting to lower, before anything is saved: the last checkpoint stays as it was. The
+    failed call's tensors are freed first; its traceback is kept (without their frames' variables) for --debug."""
     try:
         return fn(*args)
-    except torch.OutOfMemoryError:
-        raise MemoryError(f"out of GPU memory in the {phase}; lower {lower}, then continue with --resume (the last "
-                          "checkpoint is intact), or start a new --output_dir with a lower --max_completion_length"
-                          ) from None
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
+            raise
+        oom = e  # raised below, outside `except`, whose __context__ would keep the failed call's frames alive
+    traceback.clear_frames(oom.__traceback__)
+    torch.cuda.empty_cache()  # (a no-op where CUDA was never used)
+    raise MemoryError(f"out of {'GPU' if isinstance(oom, torch.OutOfMemoryError) else 'CPU'} memory in the {phase}; "
+                      f"lower {lower}, then continue with --resume (the last checkpoint is intact), or start a new "
+                      "--output_dir with a lower --max_completion_length") from oom
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, device: torch.device,
@@ -1633,7 +1645,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
     batch = _on_oom("rollout", "--generation_batch_size", rollout, model, tokenizer, prompts, cfg, device)
-    t1 = time.perf_counter()
+    t1 = time.perf_counter()  # (rollout's decoded texts waited for a GPU)
     solutions = [sol for sol in rows["solution_text_format"] for _ in range(G)]
     rewards, trained = kk_rewards(batch["texts"], solutions, cfg.format_reward)  # (B,) Logic-RL's, (B,) training
     lengths = batch["mask"].sum(1).float()  # (B,) generated tokens, truncated completions included
@@ -1646,6 +1658,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     if ref_model is not None:
         batch["ref_logprobs"] = _on_oom("reference pass", "--micro_batch_size", batched_logprobs, ref_model, batch,
                                         cfg, device, needed)
+    if device.type == "cuda":  # CUDA runs asynchronously: wait for the passes, or their time lands in the update's
+        torch.cuda.synchronize(device)
     t2 = time.perf_counter()
 
     def logprob_fn(micro: dict) -> torch.Tensor:
@@ -1877,7 +1891,8 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
         samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
         last = step + 1 == cfg.steps
         if ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last) and not stop:
-            metrics.update(evaluate(model, tokenizer, eval_rows, cfg, device))
+            metrics.update(_on_oom("evaluation", "--eval_batch_size", evaluate, model, tokenizer, eval_rows, cfg,
+                                   device))
         append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
         append_jsonl(out / "samples.jsonl", samples)
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
