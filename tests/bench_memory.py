@@ -23,7 +23,8 @@ What a CPU measurement cannot see: the CUDA context (~0.3-0.6 GB on the GPU), th
 (fragmentation; often 5-20 % on top), and the attention kernel: here SDPA falls back to the math kernel, which
 materialises a (b, heads, L, L) score matrix for left-padded rows, where a GPU runs a memory-efficient or flash
 kernel without it. A GPU with bf16 (L4, A100, H100) runs under bf16 autocast with a bf16 reference model, so its
-activations, logits chunks and KV cache take about half of what fp32 here takes; a T4 has no bf16 and runs fp32 as
+activations and logits chunks take about half of what fp32 here takes, the KV cache three quarters (its keys stay
+fp32), and autocast adds a bf16 copy of the weights (see memory_estimate); a T4 has no bf16 and runs fp32 as
 measured here.
 
 Time is an ESTIMATE from a FLOP count, not a measurement (there is no GPU here): every matmul of the rollout's
@@ -119,21 +120,28 @@ def step_time(cfg, s: dict, f: dict, gpu: str, util: float, overhead_ms: float, 
 def memory_estimate(cfg, s: dict, prompt_len: int, nbytes: int) -> dict:
     """GB by phase from the sizes of the big tensors (fp32 weights and AdamW; activations, KV cache and logits
     chunks in `nbytes` per value; a bf16 reference model where nbytes is 2) and RUNTIME_GB; printed next to the
-    measurement where there is one."""
+    measurement where there is one. Under bf16 autocast (nbytes 2) two more things, both checked on CPU autocast
+    with transformers' Qwen2: the KV cache holds fp32 keys and bf16 values (RoPE multiplies the bf16 q and k by
+    fp32 cos/sin, which promotes them), and autocast keeps a bf16 copy of the trained weights (2 bytes a parameter)
+    while its context lasts: the whole generate call, each no-grad micro-batch, and the update's forward (freed
+    before the backward under gradient checkpointing, which saves no weights; kept for it without)."""
     N, b, C = s["params"], cfg.micro_batch_size, cfg.max_completion_length
     B = cfg.prompts_per_step * cfg.num_generations
     groups = -(-b // cfg.num_generations)  # a micro-batch's distinct prompts: lopti runs each once ...
     tokens = b * C + prompt_len * groups  # ... except under gradient checkpointing (tokens_ckpt)
     tokens_ckpt = b * (prompt_len + C) if cfg.gradient_checkpointing else tokens
     base = RUNTIME_GB * 2**30 + 4 * N + 8 * N + (nbytes * N if cfg.beta > 0 else 0)  # policy, AdamW, reference
+    cast = 2 * N if nbytes == 2 else 0  # autocast's bf16 copy of the policy's weights
     layer = (6 * s["H"] + 4 * s["I"]) * nbytes  # per token: what one decoder layer keeps for its backward
     chunk = 3 * 2**24 * 4  # a chunk of fp32 logits, its exp and its gradient
-    kv = 2 * s["layers"] * s["kv"] * s["hd"] * nbytes * (cfg.generation_batch_size or B) * (prompt_len + C)
+    key_bytes = 4  # fp32 keys: RoPE's fp32 cos/sin promote them, under autocast too
+    kv = s["layers"] * s["kv"] * s["hd"] * (key_bytes + nbytes) * (cfg.generation_batch_size or B) * (prompt_len + C)
     stored = s["layers"] * tokens_ckpt * (s["H"] * nbytes if cfg.gradient_checkpointing else layer)
     gb = 2**30
-    return {"rollout": (base + kv) / gb, "pi_old": (base + tokens_ckpt * layer / 2 + chunk) / gb,
+    return {"rollout": (base + cast + kv) / gb, "pi_old": (base + cast + tokens_ckpt * layer / 2 + chunk) / gb,
             "reference": (base + tokens * layer / 2 + chunk) / gb if cfg.beta > 0 else None,
-            "update": (base + 4 * N + stored + 2 * tokens_ckpt * layer + chunk) / gb}
+            "update": (base + 4 * N + stored + 2 * tokens_ckpt * layer + chunk
+                       + (0 if cfg.gradient_checkpointing else cast)) / gb}
 
 
 def _hwm_gb() -> tuple[float, float]:
