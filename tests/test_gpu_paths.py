@@ -109,7 +109,7 @@ def test_update_policy_syncs_once_per_mini_batch(monkeypatch):
                             batch)
         return sum(counts.values())
 
-    assert reads(1) == reads(8) > 0  # 8 micro-batches per optimiser step, or 1
+    assert reads(1) == reads(8) > 0, counts  # 8 micro-batches per optimiser step, or 1
 
 
 def test_peak_memory_gb_cuda_reports_reserved_peak_and_resets(monkeypatch):
