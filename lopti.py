@@ -895,6 +895,7 @@ def toy_main(args: argparse.Namespace) -> dict:
     if s.seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {s.seeds}")
     out = args.out or (Path("toy") if not given and not args.quick else Path("runs/toy"))
+    out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the run
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # faster for these tiny matrices, and the same float sums on every run
@@ -907,7 +908,6 @@ def toy_main(args: argparse.Namespace) -> dict:
     for c in results["checks"]:  # every number is in results.json; the README puts them beside the paper's
         spread = f"   {c['evidence']}{'' if c['clear'] else ', within noise'}" if "evidence" in c else ""
         print(f"[{'yes' if c['reproduced'] else 'NO '}] {c['claim']}{spread}")
-    out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "results.json", json.dumps(results, indent=1) + "\n")
     plot_toy(results, out / "toy.png")
     print(f"wrote {out / 'results.json'}; wall time {time.perf_counter() - t0:.1f} s")
@@ -1874,6 +1874,7 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
                              f"({' '.join(str(e).split())[:200]})") from e
         if state["step"] > cfg.steps:
             raise ValueError(f"--resume: {ckpt} is at step {state['step']}, past --steps {cfg.steps}")
+        _check_model_name(str(ckpt))  # its files parse (a torn copy is named now, before anything is loaded)
         moved = cfg.model != saved["model"]
         if moved or (cfg.beta > 0 and state.get("base_model")):  # the base model is read again: the same files?
             now = model_fingerprint(cfg.model)
@@ -2042,6 +2043,8 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     plt = _pyplot()
     if plt is None:
         raise ImportError("plot needs matplotlib: pip install matplotlib")
+    if out.exists() and (out.is_dir() or out.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n"):
+        raise FileExistsError(f"--out {out} exists and is not a PNG; choose another --out")
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
               ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"),
               ("diagnose/correct_direction/adamw/{m}", "Fig. 3, (.75,1]: A>0 tokens that rose (AdamW probe)"))
@@ -2088,6 +2091,7 @@ def diagnose(cfg: Config) -> Path:
         if path.exists() and not mine:
             raise FileExistsError(f"{path} exists and is not an output of diagnose; move it or choose another "
                                   "--output_dir")
+    _check_model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)  # (a bad --model fails here, before anything is written)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.model} has no chat template: diagnose measures an instruct model on K&K's chat prompt")
