@@ -17,7 +17,9 @@ import argparse
 import ast
 import contextlib
 import copy
+import errno
 import functools
+import hashlib
 import inspect
 import json
 import math
@@ -820,8 +822,13 @@ def toy_checks(r: dict) -> list[dict]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """`path` holds its old text or `text`, never a part of it (a full disk leaves the old one)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path} ({e.strerror or e})") from e
     os.replace(tmp, path)
 
 
@@ -890,6 +897,7 @@ def toy_main(args: argparse.Namespace) -> dict:
     if s.seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {s.seeds}")
     out = args.out or (Path("toy") if not given and not args.quick else Path("runs/toy"))
+    out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the run
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # faster for these tiny matrices, and the same float sums on every run
@@ -902,7 +910,6 @@ def toy_main(args: argparse.Namespace) -> dict:
     for c in results["checks"]:  # every number is in results.json; the README puts them beside the paper's
         spread = f"   {c['evidence']}{'' if c['clear'] else ', within noise'}" if "evidence" in c else ""
         print(f"[{'yes' if c['reproduced'] else 'NO '}] {c['claim']}{spread}")
-    out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "results.json", json.dumps(results, indent=1) + "\n")
     plot_toy(results, out / "toy.png")
     print(f"wrote {out / 'results.json'}; wall time {time.perf_counter() - t0:.1f} s")
@@ -1357,16 +1364,54 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
 
 
-def _check_model_name(name: str) -> Path | None:
+def _check_model_name(name: str, hint: str = "") -> Path | None:
     """The local folder `name` names, None for a hub id; an error, before anything is loaded, for a path
-    that is not a model folder."""
+    that is not a model folder or that holds a malformed file (a JSON file that does not parse, a torn safetensors)."""
     path = Path(name).expanduser()
     if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
         return None
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no model folder at {name!r} (a folder written by save_pretrained, with a "
-                                "config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+                                f"config.json); pass such a folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct{hint}")
+    from safetensors import safe_open
+    for file in sorted(path.iterdir()):
+        try:
+            if file.suffix == ".json":
+                json.loads(file.read_text())
+            elif file.suffix == ".safetensors":  # its header must cover the file exactly: a torn copy fails here
+                with safe_open(str(file), "pt"):
+                    pass
+        except Exception as e:  # JSONDecodeError, UnicodeDecodeError, SafetensorError, ...
+            raise ValueError(f"{file} is malformed ({' '.join(str(e).split())[:150]}); restore it, or pass another "
+                             "model folder") from None
     return path
+
+
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def model_fingerprint(name: str) -> dict | None:
+    """What identifies a model wherever its folder is: its config.json without paths and, per weights file, its name,
+    size and the SHA-256 of its first MiB (a safetensors header: every tensor's name, dtype and shape) and of 64 KiB
+    at 64 places through it. None for a hub id that is not in the local cache."""
+    folder = _check_model_name(name)
+    if folder is None:
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(name, "config.json")
+        if not isinstance(found, str):
+            return None
+        folder = Path(found).parent
+    config = json.loads((folder / "config.json").read_text())
+    weights = {}
+    for path in sorted(p for p in folder.iterdir() if p.suffix in WEIGHTS_SUFFIXES):
+        size, digest = path.stat().st_size, hashlib.sha256()
+        with open(path, "rb") as f:
+            for i in range(65):
+                f.seek(i * size // 65)
+                digest.update(f.read(2**16 if i else 2**20))
+        weights[path.name] = [size, digest.hexdigest()]
+    return {"config": {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")},
+            "weights": weights}
 
 
 def _from_pretrained(cls, name: str, **kwargs):
@@ -1708,17 +1753,26 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
 # renamed over the old one only when complete, so a crash mid-save never leaves a broken latest checkpoint.
 
 
-def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int) -> Path:
+def save_checkpoint(cfg: Config, model, tokenizer, optimizer, step: int, base_model: dict | None = None) -> Path:
+    """`base_model`: model_fingerprint(cfg.model), by which --resume accepts the base model at a new place."""
     out = Path(cfg.output_dir)
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     if old.exists() and not final.exists():  # a crash between the two renames below: restore first
         old.rename(final)
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg)},
-               tmp / "trainer_state.pt")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "config": asdict(cfg),
+                    "base_model": base_model}, tmp / "trainer_state.pt")
+    except Exception as e:  # torch's and safetensors' write errors do not carry the errno: a full disk has no space
+        full = getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(out).free < 2**20
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(f"the disk is full: step {step} was not saved (the last checkpoint is intact); free "
+                          "space, then continue with --resume") from e
+        raise
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
@@ -1752,16 +1806,21 @@ def _strict(value):
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    """One strict-JSON line, nested dicts flattened (a NaN or inf value is written as null), flushed."""
-    with open(path, "a") as f:
-        f.write(json.dumps(_strict(_flatten(record)), allow_nan=False) + "\n")
-        f.flush()
+    """One strict-JSON line, nested dicts flattened (a NaN or inf value is written as null), flushed. A line torn by
+    a full disk stops the run; read_jsonl skips it and --resume drops it."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(_strict(_flatten(record)), allow_nan=False) + "\n")
+            f.flush()
+    except OSError as e:
+        raise OSError(f"cannot write {path} ({e.strerror or e}); free space, then continue with --resume (the last "
+                      "checkpoint is intact)") from e
 
 
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a metrics.jsonl/samples.jsonl file; a line torn by a crash mid-write is skipped."""
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
     return [r for r in records if isinstance(r, dict)]
@@ -1774,22 +1833,37 @@ def _saved_config(out: Path, flag: str = "--resume") -> dict:
         raise FileNotFoundError(f"{flag}: {path} not found; is {out} the run's folder?")
     try:
         return asdict(Config(**json.loads(path.read_text())))
-    except (json.JSONDecodeError, TypeError) as e:  # not JSON, or a field of another version of lopti.py
-        raise ValueError(f"{flag}: {path} is not a config.json of this lopti.py ({e})") from None
+    except (ValueError, TypeError) as e:  # not JSON or not text, a bad value, a field of another version or a model's
+        raise ValueError(f"{flag}: {path} is not a config.json of a run of this lopti.py ({e})") from None
+
+
+def _check_output_folder(out: Path) -> None:
+    """An --output_dir is a folder (or none yet) that holds no model (a hub model's copy, a run's checkpoint/): lopti
+    would mix its files with the model's, and a run's config.json would replace the model's."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
+    found = [p.name for p in sorted(out.glob("*")) if p.suffix in WEIGHTS_SUFFIXES]
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        found += ["config.json with a model_type"] * ("model_type" in json.loads((out / "config.json").read_text()))
+    if found:
+        raise FileExistsError(f"--output_dir {out} holds a model ({found[0]}); choose a folder of its own")
 
 
 def _check_new_run_folder(out: Path, hint: str = "") -> None:
-    """A new run's --output_dir: a folder (or none yet) holding no other run; a run is never overwritten."""
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--output_dir {out} is a file; choose a folder")
-    if any((out / f).exists() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old")):
-        raise FileExistsError(f"{out}/ holds another run; {hint}choose another --output_dir")
+    """A new run's --output_dir: no model and no other run's files (nor a config.json lopti would replace)."""
+    _check_output_folder(out)
+    found = [f for f in ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "config.json")
+             if (out / f).exists()]
+    if found:
+        raise FileExistsError(f"{out}/ holds another run ({found[0]}); {hint}choose another --output_dir")
 
 
 # What --resume may change: schedule, evaluation, the measurement (it restores the weights), memory (the same steps to
-# float rounding; other random draws for generation_batch_size) and the folder's place; not what the run learns.
+# float rounding; other random draws for generation_batch_size), the folder's place and the base model's (the same
+# files: model_fingerprint); and the learning rate, to continue a run that diverged (metrics.jsonl logs it per step).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size", "diagnose_every",
-                     "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir")
+                     "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir", "model",
+                     "learning_rate")
 
 
 def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict]:
@@ -1807,11 +1881,20 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
     if ckpt:
         try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
             state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+                raise ValueError("not a trainer state of lopti")
         except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
             raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
                              f"({' '.join(str(e).split())[:200]})") from e
         if state["step"] > cfg.steps:
             raise ValueError(f"--resume: {ckpt} is at step {state['step']}, past --steps {cfg.steps}")
+        _check_model_name(str(ckpt))  # its files parse (a torn copy is named now, before anything is loaded)
+        moved = cfg.model != saved["model"]
+        if moved or (cfg.beta > 0 and state.get("base_model")):  # the base model is read again: the same files?
+            now = model_fingerprint(cfg.model)
+            if (now or moved) and now != state.get("base_model"):
+                raise ValueError(f"--resume: --model {cfg.model} is not the model {out}/ was trained from "
+                                 f"({saved['model']}, whose files its checkpoint records); pass that model's folder")
     for path in (out / "metrics.jsonl", out / "samples.jsonl"):  # (and a line torn by a crash mid-write)
         if path.exists():
             keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= state["step"]]
@@ -1820,7 +1903,8 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
 
 
 def _run_objects(cfg: Config, ckpt: Path | None, state: dict):
-    """Device, training and evaluation rows, tokenizer, policy, frozen reference (beta > 0) and optimiser."""
+    """Device, training and evaluation rows, tokenizer, policy, frozen reference (beta > 0), optimiser and the base
+    model's fingerprint."""
     device, source = pick_device(), str(ckpt) if ckpt else cfg.model
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
@@ -1832,11 +1916,17 @@ def _run_objects(cfg: Config, ckpt: Path | None, state: dict):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg)
     if ckpt:
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"]["cpu"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} does not fit {ckpt}'s model ({e})") from e
+        for group in optimizer.param_groups:  # --resume may lower it
+            group["lr"] = cfg.learning_rate
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return device, train_rows, eval_rows, tokenizer, model, ref_model, optimizer
+    base_model = state.get("base_model") or model_fingerprint(cfg.model)  # (a hub model is in the cache by now)
+    return device, train_rows, eval_rows, tokenizer, model, ref_model, optimizer, base_model
 
 
 class Stopped(KeyboardInterrupt):
@@ -1877,10 +1967,36 @@ def _run_guard(out: Path, stop: dict, lock: bool = True):
             os.close(fd)
 
 
+@torch.no_grad()
+def _finite(model, tokenizer, quiz: str, metrics: dict, device: torch.device) -> bool:
+    """After an update: are the loss, the weights and the next-token logits of a prompt all finite? (Finite weights
+    can still give infinite logits: at a huge learning rate the next rollout failed in sampling.)"""
+    model.eval()
+    ids = tokenizer(kk_prompt(tokenizer, quiz), return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    with autocast(device):
+        logits = model(input_ids=ids, logits_to_keep=1).logits  # (1, 1, V)
+    finite = torch.stack([p.isfinite().all() for p in model.parameters()] + [logits.isfinite().all()]).all()
+    return bool(finite) and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("/loss"))
+
+
+def _log_evaluation(cfg: Config, step: int, model, tokenizer, eval_rows, device: torch.device) -> None:
+    """Evaluates the weights of `step` and adds the result to the step's line of metrics.jsonl."""
+    result = _on_oom("evaluation", "--eval_batch_size", evaluate, model, tokenizer, eval_rows, cfg, device)
+    path = Path(cfg.output_dir) / "metrics.jsonl"
+    lines = [{**r, **result} if r.get("step") == step else r for r in read_jsonl(path)]
+    _atomic_write(path, "".join(json.dumps(r) + "\n" for r in lines))
+
+
 def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_rows, tokenizer, model, ref_model,
-                optimizer) -> None:
-    """Steps start + 1 .. cfg.steps; a stop skips the step's evaluation, to save within a short grace period."""
+                optimizer, base_model: dict | None) -> None:
+    """Steps start + 1 .. cfg.steps. A step is logged, saved, then evaluated: a stop, an error or a crash during the
+    evaluation loses nothing. A stop skips the evaluation, to save within a short grace period; --resume then
+    evaluates the checkpoint's step first, so the run ends with the rows of one never stopped."""
     out = Path(cfg.output_dir)
+    due = lambda s: bool(cfg.eval_every and s % cfg.eval_every == 0) or s == cfg.steps  # noqa: E731
+    if start and due(start) and not stop and not any(  # a run stopped (or killed) before this evaluation
+            "eval/accuracy" in r for r in read_jsonl(out / "metrics.jsonl") if r.get("step") == start):
+        _log_evaluation(cfg, start, model, tokenizer, eval_rows, device)
     if stop:  # a signal while the run was loading: no step to finish
         raise Stopped(stop["signum"], f"stopped before step {start + 1}")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", dynamic_ncols=True)
@@ -1888,16 +2004,21 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
         rows = train_rows[step_rows(len(train_rows), cfg, step)]
         diag = cfg.diagnose_every > 0 and (step + 1) % cfg.diagnose_every == 0
         metrics = {"step": step + 1, **train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device, diag)}
+        if not _finite(model, tokenizer, rows["quiz"][0], metrics, device):
+            raise ValueError(f"step {step + 1} diverged: the loss or the weights are no longer finite; it was not "
+                             f"saved: lower the learning rate ({cfg.learning_rate}) and continue from the last "
+                             "checkpoint with --resume --learning_rate LOWER")
         samples = {"step": step + 1, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
-        last = step + 1 == cfg.steps
-        if ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last) and not stop:
-            metrics.update(_on_oom("evaluation", "--eval_batch_size", evaluate, model, tokenizer, eval_rows, cfg,
-                                   device))
         append_jsonl(out / "metrics.jsonl", metrics)  # first: a folder with a metrics line is a run
         append_jsonl(out / "samples.jsonl", samples)
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stop:
-            save_checkpoint(cfg, model, tokenizer, optimizer, step + 1)
+        saves = (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps
+        if saves or stop:
+            save_checkpoint(cfg, model, tokenizer, optimizer, step + 1, base_model)
+        if due(step + 1) and not stop:
+            _log_evaluation(cfg, step + 1, model, tokenizer, eval_rows, device)
+            if stop and not saves:  # a signal during the evaluation
+                save_checkpoint(cfg, model, tokenizer, optimizer, step + 1, base_model)
         if stop:
             raise Stopped(stop["signum"], f"stopped after step {step + 1} and saved it")
 
@@ -1913,7 +2034,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     else:
         _check_new_run_folder(out, "pass --resume to continue it, or ")
     if not resume or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
-        _check_model_name(cfg.model)
+        _check_model_name(cfg.model, "; if the run's base model moved, add --model ITS_NEW_PLACE" if resume else "")
     out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
     stop = {}
     with _run_guard(out, stop):
@@ -1936,6 +2057,8 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     plt = _pyplot()
     if plt is None:
         raise ImportError("plot needs matplotlib: pip install matplotlib")
+    if out.exists() and (out.is_dir() or out.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n"):
+        raise FileExistsError(f"--out {out} exists and is not a PNG; choose another --out")
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
               ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"),
               ("diagnose/correct_direction/adamw/{m}", "Fig. 3, (.75,1]: A>0 tokens that rose (AdamW probe)"))
@@ -1972,18 +2095,27 @@ def diagnose(cfg: Config) -> Path:
     """`python lopti.py diagnose`: one rollout batch of cfg.model (step 1's prompts for cfg.seed), scored as
     train_step scores it (reward with format credit, group advantages, pi_old), then measure_bins. Writes
     diagnose_<model folder or hub name>_seed<S>.json (so a checkpoint's and the base model's do not overwrite each
-    other) and a PNG beside the paper's numbers under cfg.output_dir."""
+    other) and a PNG beside the paper's numbers under cfg.output_dir; they replace only an earlier such output."""
+    out = Path(cfg.output_dir) / f"diagnose_{Path(cfg.model).name}_seed{cfg.seed}.json"
+    _check_output_folder(out.parent)
+    mine = False
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        mine = {"bins", "paper"} <= set(json.loads(out.read_text()))
+    for path in (out, out.with_suffix(".png")):
+        if path.exists() and not mine:
+            raise FileExistsError(f"{path} exists and is not an output of diagnose; move it or choose another "
+                                  "--output_dir")
+    _check_model_name(cfg.model)
     tokenizer = load_tokenizer(cfg.model)  # (a bad --model fails here, before anything is written)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.model} has no chat template: diagnose measures an instruct model on K&K's chat prompt")
-    out = Path(cfg.output_dir) / f"diagnose_{Path(cfg.model).name}_seed{cfg.seed}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before the model loads
     device, t0 = pick_device(), time.perf_counter()
     torch.manual_seed(cfg.seed)
     train_rows = load_task_data(cfg)[0]
     model = load_model(cfg.model, device)
     m = train_step(cfg, model, None, tokenizer, None, train_rows[step_rows(len(train_rows), cfg, 0)], device, True)
     r = {"bins": list(BIN_NAMES), **m["diagnose"], "paper": PAPER_FIGURES}
-    out.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(out, json.dumps(_strict(r), indent=1, allow_nan=False) + "\n")
     print(f"reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s (measurement {m['time/diagnose']:.0f} s)")
     plt = _pyplot()
