@@ -2182,7 +2182,7 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
             acc = trainer.accelerator
             with unwrap_model_for_generation(trainer.model_wrapped, acc, args.ds3_gather_for_generation) as model, \
                     trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False):
-                shard = eval_rows.shard(acc.num_processes, acc.process_index, contiguous=True)
+                shard = eval_rows.select(range(acc.process_index, len(eval_rows), acc.num_processes))
                 result = evaluate(model, tokenizer, shard, cfg, acc.device, gather_object)
             trainer.model.train()  # (rollout's model.eval(): TRL logs a step's metrics by the model's mode)
             return result
