@@ -1848,10 +1848,9 @@ def _run_guard(out: Path, stop: dict, lock: bool = True):
     def on_signal(signum, frame):
         if stop and (signum != stop["signum"] or time.monotonic() - stop["at"] > 5):
             raise Stopped(signum, "sent twice, aborted without saving")
-        if stop:
-            return
-        stop.update(signum=signum, at=time.monotonic())
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
+        if not stop:
+            stop.update(signum=signum, at=time.monotonic())
+            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
 
     fd, previous = None, {}
     try:
@@ -2039,10 +2038,8 @@ def _lopti_grpo_trainer_class():
             finally:
                 vars(model).pop("generate", None)
             if self.stop_at:  # the text is cut at the token that completes it, as rollout's cut_at does
-                C = max(map(len, ids))
-                padded = torch.tensor([row + [0] * (C - len(row)) for row in ids])  # (B, C)
-                keep = cut_at(self._tokenizer, padded, torch.arange(C) < torch.tensor(list(map(len, ids)))[:, None],
-                              self.stop_at)[0].sum(1).tolist()
+                keep = [int(cut_at(self._tokenizer, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.bool),
+                                   self.stop_at)[0].sum()) for r in ids]
                 ids, logprobs = [r[:n] for r, n in zip(ids, keep)], logprobs and [r[:n] for r, n in zip(logprobs, keep)]
             self._rollout_s = time.perf_counter() - t0
             self._metrics["train"]["time/rollout"].append(self._rollout_s)
@@ -2108,11 +2105,9 @@ def __getattr__(name: str):
 
 
 def _trl_args(cfg: Config, vllm: str | None = None, save_total_limit: int = 1):
-    """train_trl's GRPOConfig and optimiser steps per RL step: the run's settings in TRL's names, TRL's checkpoints
-    at RL-step ends (the last `save_total_limit` kept; 0 = all) and, with `vllm` ('colocate' or 'server'), TRL's
-    vLLM generation (untested here: no GPU). vLLM samples with the settings below (pi_old's temperature, no top-k,
-    top-p, min-p or repetition penalty); pi_old is then the trainer's own log-probs of the sampled tokens, as in the
-    official code (verl recomputes old_log_prob with the actor), so TRL's importance-sampling correction is off."""
+    """train_trl's GRPOConfig and optimiser steps per RL step; TRL keeps the last `save_total_limit` checkpoints (0:
+    all). `vllm` ('colocate', 'server': untested, no GPU here) samples as below; pi_old is the trainer's log-probs of
+    the sampled tokens, as the official code's (verl recomputes old_log_prob), so TRL's vLLM IS correction is off."""
     from trl import GRPOConfig
     B = cfg.prompts_per_step * cfg.num_generations
     per_step = (2 if cfg.lopti else 1) * cfg.num_iterations * B // cfg.mini_batch_size  # optimiser steps per RL step
@@ -2134,9 +2129,8 @@ def _trl_args(cfg: Config, vllm: str | None = None, save_total_limit: int = 1):
     return args, per_step
 
 
-TRL_NAMES = {"reward": None, "reward_std": None, "kk_reward": "reward", "kk_reward_std": "reward_std",  # native's
-             "frac_reward_zero_std": "zero_std_groups", "completions/mean_length": "completion_length",
-             "completions/clipped_ratio": "truncated"}
+TRL_NAMES = {"reward": None, "reward_std": None, "kk_reward": "reward", "frac_reward_zero_std": "zero_std_groups",
+             "completions/mean_length": "completion_length", "completions/clipped_ratio": "truncated"}  # native's
 
 
 def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_total_limit: int = 1) -> Path:
@@ -2153,6 +2147,7 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
     if cfg.stop_at_answer and cfg.mask_truncated:  # TRL would take a completion cut at </answer> for a truncated one
         raise ValueError("--engine trl: stop_at_answer and mask_truncated together are not supported")
     saved, main, stop, pending = _open_run_folder(cfg, resume, True, args.world_size), args.process_index == 0, {}, {}
+    stages = ("low", "high") if cfg.lopti_order == "low_first" else ("high", "low")
     with _run_guard(out, stop, lock=main):  # (one lock per folder)
         ckpt = get_last_checkpoint(str(out)) if resume else None  # TRL's newest checkpoint-N/
         if resume and ckpt is None and latest_checkpoint(str(out)):
@@ -2169,13 +2164,10 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
 
         def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
             r, trained = kk_rewards(completions, solution_text_format, cfg.format_reward)  # Logic-RL's for metrics
-            r_all, credit = trainer.accelerator.gather(torch.stack([r, trained - r], 1).to(
-                trainer.accelerator.device)).T.cpu()  # (B_all,) each: the metrics are over all processes' rows
-            for key, value in (("kk_reward", r_all.mean()), ("kk_reward_std", r_all.std() if len(r_all) > 1 else
-                               r_all.new_zeros(())), ("accuracy", (r_all == KK_MAX_REWARD).float().mean()),
-                               ("format_error", (r_all == KK_FORMAT_ERROR).float().mean())) + (
-                               (("format_credit", credit.mean() / cfg.format_reward),) if cfg.format_reward else ()):
-                log_metric(key, value.item())
+            r = trainer.accelerator.gather(r.to(trainer.accelerator.device)).cpu()  # all processes' rows
+            metrics = (("kk_reward", r), ("accuracy", r == KK_MAX_REWARD), ("format_error", r == KK_FORMAT_ERROR))
+            for key, value in metrics:
+                log_metric(key, value.float().mean().item())
             return trained.tolist()
 
         def evaluate_all() -> dict[str, float]:  # the model gathered as TRL's generation gathers it (ZeRO-3, FSDP)
@@ -2208,10 +2200,8 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
             def on_log(self, _args, state, control, logs=None, **kwargs):
                 if "train_runtime" in logs:  # the Trainer's end-of-training summary
                     return
-                stage = ("low", "high")[(state.global_step - 1) % per_step >= per_step // 2]  # (high_first: reversed)
-                if cfg.lopti and "grad_norm" in logs:
-                    logs[f"{stage if cfg.lopti_order == 'low_first' else {'low': 'high', 'high': 'low'}[stage]}"
-                         "/grad_norm"] = logs["grad_norm"]
+                if cfg.lopti and "grad_norm" in logs:  # the optimiser step's stage: the first half is the first
+                    logs[f"{stages[(state.global_step - 1) % per_step >= per_step // 2]}/grad_norm"] = logs["grad_norm"]
                 for k, v in logs.items():
                     if TRL_NAMES.get(k, k) and isinstance(v, (int, float)):
                         pending.setdefault(TRL_NAMES.get(k, k), []).append(v)
