@@ -184,3 +184,19 @@ def test_sigterm_to_accelerate_launch_saves_on_every_rank_and_resumes(tiny_model
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-3000:]
     assert [m["step"] for m in lines(run)] == list(range(1, 7)) and "eval/accuracy" in lines(run)[-1]
+
+
+def test_the_same_signal_again_within_5_s_is_one_signal(tmp_path, monkeypatch):
+    stop, now = {}, [100.0]
+    monkeypatch.setattr(lopti.time, "monotonic", lambda: now[0])
+    with lopti._run_guard(tmp_path, stop):
+        for _ in range(2):  # SLURM's SIGTERM, then the launcher's
+            os.kill(os.getpid(), signal.SIGTERM)
+        now[0] += 4.9
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop["signum"] == signal.SIGTERM
+        with pytest.raises(lopti.Stopped, match="SIGINT: sent twice"):  # another signal: at once
+            os.kill(os.getpid(), signal.SIGINT)
+        now[0] += 0.2
+        with pytest.raises(lopti.Stopped, match="SIGTERM: sent twice"):  # 5.1 s later: a second signal
+            os.kill(os.getpid(), signal.SIGTERM)
