@@ -360,7 +360,7 @@ def test_diagnose_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_p
                         (["diagnose", "--checkpoint", str(tiny_model_dir)], "is not a checkpoint of a lopti run"),
                         (["diagnose", "--diagnose_every", "-1"], "diagnose_every must be >= 0"),
                         (["train", "--diagnose_every", "-1"], "diagnose_every must be >= 0"),
-                        (["train", "--engine", "trl", "--diagnose_every", "2"], "no --resume or --diagnose_every")):
+                        (["train", "--engine", "trl", "--diagnose_every", "2"], "--engine trl has no --diagnose_every")):
         assert lopti.main([*argv, "--output_dir", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and match in err, err
