@@ -2170,10 +2170,9 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
                 log_metric(key, value.float().mean().item())
             return trained.tolist()
 
-        def evaluate_all() -> dict[str, float]:  # the model gathered as TRL's generation gathers it (ZeRO-3, FSDP)
+        def evaluate_all() -> dict[str, float]:  # the model gathered as TRL's generation gathers it (ZeRO-3)
             acc = trainer.accelerator
-            with unwrap_model_for_generation(trainer.model_wrapped, acc, args.ds3_gather_for_generation) as model, \
-                    trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False):
+            with unwrap_model_for_generation(trainer.model_wrapped, acc, args.ds3_gather_for_generation) as model:
                 shard = eval_rows.select(range(acc.process_index, len(eval_rows), acc.num_processes))
                 result = evaluate(model, tokenizer, shard, cfg, acc.device, gather_object)
             trainer.model.train()  # (rollout's model.eval(): TRL logs a step's metrics by the model's mode)
