@@ -2224,11 +2224,10 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
         trainer.train(resume_from_checkpoint=ckpt)
         trainer.save_model(str(out / "checkpoint"))
         if not stop:  # the last evaluation, after the saves; also when --resume finds a run stopped in its last step
-            final = _on_oom("evaluation", "--eval_batch_size", evaluate_all)
-            lines = read_jsonl(out / "metrics.jsonl")
+            final, lines = _on_oom("evaluation", "--eval_batch_size", evaluate_all), read_jsonl(out / "metrics.jsonl")
             if main:
-                _atomic_write(out / "metrics.jsonl", "".join(json.dumps(_strict({**r, **(final if r is lines[-1] else
-                              {})})) + "\n" for r in lines))
+                lines[-1].update(final)
+                _atomic_write(out / "metrics.jsonl", "".join(json.dumps(_strict(r)) + "\n" for r in lines))
         trainer.accelerator.wait_for_everyone()  # no process exits (and no launcher stops the rest) before the saves
     if stop:
         raise Stopped(stop["signum"], f"stopped after RL step {trainer.state.global_step // per_step} and saved it")
