@@ -1626,14 +1626,16 @@ def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows
 # --- evaluation (greedy accuracy per number of people, as in the paper's K&K table)
 
 
-def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
-    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people."""
+def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device, gather: Callable = list) -> dict[str, float]:
+    """Greedy decoding on K&K rows; accuracy (share of reward == 3) and mean reward per number of people. Under
+    `accelerate launch` each process decodes its share of the rows and `gather` joins the lists (train_trl)."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i : i + cfg.eval_batch_size]
         batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in chunk["quiz"]], cfg, device, greedy=True)
         rewards += kk_rewards(batch["texts"], chunk["solution_text_format"])[0].tolist()
         sizes += [len(names) for names in chunk["names"]]
+    rewards, sizes = gather(rewards), gather(sizes)
     out = {"eval/accuracy": rewards.count(KK_MAX_REWARD) / max(len(rewards), 1)}
     for n in sorted(set(sizes)):
         r = [x for x, k in zip(rewards, sizes) if k == n]
@@ -1866,18 +1868,28 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_siz
                      "learning_rate")
 
 
-def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict]:
-    """--resume: refuses `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE; loads the
-    latest checkpoint's trainer state (step 0 without one) and drops the lines logged after it."""
-    ckpt, state = latest_checkpoint(cfg.output_dir), {"step": 0}
-    if ckpt is None and (out / "checkpoint").is_dir():
-        raise ValueError(f"--resume: {out}/checkpoint has no trainer_state.pt (a run of --engine trl?); only "
-                         "lopti's own runs resume")
+def _resume_check(cfg: Config, out: Path, saved: dict, step: int, ckpt: Path | None, write: bool = True) -> None:
+    """--resume (both engines): refuses `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE
+    or if the checkpoint `ckpt` is at a `step` past cfg.steps; then drops the lines logged after `step`."""
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
                if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
     if changed:
         raise ValueError(f"--resume: {out}/ was trained with other settings ({', '.join(changed)}); a resumed "
                          f"run may change only {', '.join(RESUME_MAY_CHANGE)}: start a new --output_dir")
+    if step > cfg.steps:
+        raise ValueError(f"--resume: {ckpt} is at step {step}, past --steps {cfg.steps}")
+    for path in (out / "metrics.jsonl", out / "samples.jsonl") if write else ():  # (and a line torn mid-write)
+        if path.exists():
+            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= step]
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dict]:
+    """--resume: loads the latest checkpoint's trainer state (step 0 without one), then _resume_check."""
+    ckpt, state = latest_checkpoint(cfg.output_dir), {"step": 0}
+    if ckpt is None and ((out / "checkpoint").is_dir() or any(out.glob("checkpoint-*"))):
+        raise ValueError(f"--resume: {out}/ is a run of --engine trl (no trainer_state.pt): resume it with "
+                         "--engine trl")
     if ckpt:
         try:  # tensors and plain data only: a checkpoint folder from elsewhere cannot run code
             state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
@@ -1886,8 +1898,6 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
         except Exception as e:  # pickle.UnpicklingError (code in it), or a torn or foreign file
             raise ValueError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be loaded safely "
                              f"({' '.join(str(e).split())[:200]})") from e
-        if state["step"] > cfg.steps:
-            raise ValueError(f"--resume: {ckpt} is at step {state['step']}, past --steps {cfg.steps}")
         _check_model_name(str(ckpt))  # its files parse (a torn copy is named now, before anything is loaded)
         moved = cfg.model != saved["model"]
         if moved or (cfg.beta > 0 and state.get("base_model")):  # the base model is read again: the same files?
@@ -1895,10 +1905,7 @@ def _resume_point(cfg: Config, out: Path, saved: dict) -> tuple[Path | None, dic
             if (now or moved) and now != state.get("base_model"):
                 raise ValueError(f"--resume: --model {cfg.model} is not the model {out}/ was trained from "
                                  f"({saved['model']}, whose files its checkpoint records); pass that model's folder")
-    for path in (out / "metrics.jsonl", out / "samples.jsonl"):  # (and a line torn by a crash mid-write)
-        if path.exists():
-            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= state["step"]]
-            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
+    _resume_check(cfg, out, saved, state["step"], ckpt)
     return ckpt, state
 
 
@@ -1940,12 +1947,14 @@ class Stopped(KeyboardInterrupt):
 def _run_guard(out: Path, stop: dict, lock: bool = True):
     """While a run writes `out`: a lock on the folder (flock; the OS drops it when the process ends, even on kill -9)
     refuses a second run there; Ctrl-C or SIGTERM (how Colab, SLURM, Kubernetes stop a job) sets stop["signum"]: the
-    run finishes its step, saves and raises Stopped. A second signal raises Stopped at once (the checkpoint stays)."""
+    run finishes its step, saves and raises Stopped. A second signal raises Stopped at once (the checkpoint stays);
+    the same signal again within 5 s counts as one (SLURM and torch's launcher each send the workers SIGTERM)."""
     def on_signal(signum, frame):
-        if stop:
+        if stop and (signum != stop["signum"] or time.monotonic() - stop["at"] > 5):
             raise Stopped(signum, "sent twice, aborted without saving")
-        stop["signum"] = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
+        if not stop:
+            stop.update(signum=signum, at=time.monotonic())
+            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort without saving)")
 
     fd, previous = None, {}
     try:
@@ -2023,20 +2032,24 @@ def _train_loop(cfg: Config, start: int, stop: dict, device, train_rows, eval_ro
             raise Stopped(stop["signum"], f"stopped after step {step + 1} and saved it")
 
 
-def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ in cfg.output_dir."""
+def _open_run_folder(cfg: Config, resume: bool, loads_model: bool, processes: int = 1) -> dict | None:
+    """train's and train_trl's checks before anything is loaded; returns the run's saved settings on --resume."""
     out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+    if B % cfg.mini_batch_size or cfg.mini_batch_size % (cfg.micro_batch_size * processes):
         raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
-                         f"{cfg.mini_batch_size}, itself one of micro_batch_size = {cfg.micro_batch_size}")
-    if resume:
-        saved = _saved_config(out)
-    else:
-        _check_new_run_folder(out, "pass --resume to continue it, or ")
-    if not resume or cfg.beta > 0:  # cfg.model is loaded: fail now if it names no model folder
+                         f"{cfg.mini_batch_size}, itself one of micro_batch_size = {cfg.micro_batch_size} x "
+                         f"{processes} process(es)")
+    saved = _saved_config(out) if resume else _check_new_run_folder(out, "pass --resume to continue it, or ")
+    if loads_model:  # fail now if cfg.model names no model folder
         _check_model_name(cfg.model, "; if the run's base model moved, add --model ITS_NEW_PLACE" if resume else "")
     out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    stop = {}
+    return saved
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl, samples.jsonl and checkpoint/ in cfg.output_dir."""
+    out, stop = Path(cfg.output_dir), {}
+    saved = _open_run_folder(cfg, resume, loads_model=not resume or cfg.beta > 0)
     with _run_guard(out, stop):
         if not resume:  # again under the lock: another train may have begun here since the check above
             _check_new_run_folder(out, "pass --resume to continue it, or ")
@@ -2140,10 +2153,11 @@ def _lopti_grpo_trainer_class():
         a copy of `args`): args.num_iterations keeps Config.num_iterations' meaning (PPO epochs per pass), and
         max_steps (optimiser steps) must count Lopti's two passes. Of TRL's loss options only epsilon, epsilon_high
         and beta apply (text prompts, token-level ratios). Unlike update_policy, TRL steps the optimiser on a
-        mini-batch without a finite gradient (e.g. an empty Lopti stage) and its advantage divides by std + 1e-4."""
+        mini-batch without a finite gradient (e.g. an empty Lopti stage) and its advantage divides by std + 1e-4.
+        `stop_at` (a text, e.g. '</answer>') ends each completion, and its loss mask, where the text is complete."""
 
         def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
-                     lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
+                     lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, stop_at: str | None = None, **kwargs):
             knobs = dict(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)
             Config(**knobs)  # checks them
             if args.loss_type != "dapo":  # the loss below is the step's token-mean (TRL's "dapo"); no other is made
@@ -2159,8 +2173,24 @@ def _lopti_grpo_trainer_class():
             if lopti:
                 args = copy.copy(args)
                 args.num_iterations *= 2
-            vars(self).update(knobs)
+            vars(self).update(knobs, stop_at=stop_at)
             super().__init__(model, reward_funcs, args=args, **kwargs)
+
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # rollout's stop_at_answer and time/rollout
+            t0, model = time.perf_counter(), self.model
+            if self.stop_at and not self.use_vllm:  # TRL 1.16 calls generate() without the tokenizer stop_strings needs
+                model.generate = functools.partial(type(model).generate, model, tokenizer=self._tokenizer)
+            try:
+                ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            finally:
+                vars(model).pop("generate", None)
+            if self.stop_at:  # the text is cut at the token that completes it, as rollout's cut_at does
+                keep = [int(cut_at(self._tokenizer, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.bool),
+                                   self.stop_at)[0].sum()) for r in ids]
+                ids, logprobs = [r[:n] for r, n in zip(ids, keep)], logprobs and [r[:n] for r, n in zip(logprobs, keep)]
+            self._rollout_s = time.perf_counter() - t0
+            self._metrics["train"]["time/rollout"].append(self._rollout_s)
+            return ids, logprobs
 
         def _logps(self, model, batch: dict, **kwargs) -> torch.Tensor:  # (B, T) at T: TRL's LM head divides by it
             return self._get_per_token_logps_and_entropies(
@@ -2169,7 +2199,7 @@ def _lopti_grpo_trainer_class():
                 **kwargs)[0]
 
         def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
+            t0, out = time.perf_counter(), super()._generate_and_score_completions(inputs)
             mask, adv = out["completion_mask"].bool(), out["advantages"]  # (B, T), (B,)
             if "old_per_token_logps" not in out and (self.alpha > 0 or self.lopti):  # TRL skips it for one pass
                 with torch.no_grad():
@@ -2186,6 +2216,7 @@ def _lopti_grpo_trainer_class():
             shares = {"low": low, "high": n - low} if self.lopti else {"all": n}
             for key, value in {"ar_weight": w, **{f"{k}/token_share": v for k, v in shares.items()}}.items():
                 self._metrics["train" if self.model.training else "eval"][key].append(value / n if n else math.nan)
+            self._metrics["train"]["time/logprobs"].append(time.perf_counter() - t0 - self._rollout_s)  # and rewards
             return out
 
         def _compute_loss(self, model, inputs):
@@ -2220,33 +2251,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def train_trl(cfg: Config) -> Path:
-    """`python lopti.py train --engine trl`: `train`'s K&K run through LoptiGRPOTrainer, in one process or under
-    `accelerate launch`. Writes config.json, metrics.jsonl (a line per RL step) and checkpoint/ in cfg.output_dir;
-    no evaluation (run `lopti.py eval` on checkpoint/) and no --resume."""
-    from transformers import TrainerCallback
+def _trl_args(cfg: Config, vllm: str | None = None, save_total_limit: int = 1):
+    """train_trl's GRPOConfig and optimiser steps per RL step; TRL keeps the last `save_total_limit` checkpoints (0:
+    all). `vllm` ('colocate', 'server': untested, no GPU here) samples as below; pi_old is the trainer's log-probs of
+    the sampled tokens, as the official code's (verl recomputes old_log_prob), so TRL's vLLM IS correction is off."""
     from trl import GRPOConfig
-    out, B = Path(cfg.output_dir), cfg.prompts_per_step * cfg.num_generations
-    _check_new_run_folder(out)
-    _check_model_name(cfg.model)
-    out.mkdir(parents=True, exist_ok=True)  # an unwritable --output_dir fails here, before anything is loaded
-    if cfg.stop_at_answer:  # TRL 1.16 passes no tokenizer to generate() and ends the loss mask at EOS only
-        warnings.warn("--engine trl ignores stop_at_answer: completions run to EOS")
-    tokenizer, rows = load_tokenizer(cfg.model), load_task_data(cfg)[0]
-    prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"]]  # templated text: TRL applies no template
-    if tokenizer(prompts[:1])["input_ids"] != tokenizer(prompts[:1], add_special_tokens=False)["input_ids"]:
-        raise ValueError(f"{cfg.model}'s tokenizer adds special tokens to the templated prompt (as TRL calls it)")
-    data = datasets.Dataset.from_dict({"prompt": prompts, "solution_text_format": rows["solution_text_format"]})
-
-    def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
-        r, trained = kk_rewards(completions, solution_text_format, cfg.format_reward)  # Logic-RL's for the metrics
-        for key, value in (("kk_reward", r), ("accuracy", r == KK_MAX_REWARD), ("format_error", r == KK_FORMAT_ERROR)):
-            log_metric(key, value.float().mean().item())
-        return trained.tolist()
-
+    B = cfg.prompts_per_step * cfg.num_generations
     per_step = (2 if cfg.lopti else 1) * cfg.num_iterations * B // cfg.mini_batch_size  # optimiser steps per RL step
+    stop = ({"stop": [KK_ANSWER_END], "include_stop_str_in_output": True} if vllm else
+            {"stop_strings": [KK_ANSWER_END]})  # HF generate: LoptiGRPOTrainer passes it the tokenizer
     args = GRPOConfig(
-        output_dir=str(out), seed=cfg.seed, max_steps=cfg.steps * per_step, generation_batch_size=B,
+        output_dir=cfg.output_dir, seed=cfg.seed, max_steps=cfg.steps * per_step, generation_batch_size=B,
         per_device_train_batch_size=cfg.micro_batch_size, num_generations=cfg.num_generations,
         temperature=cfg.temperature, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,  # sample from pi_old
         max_completion_length=cfg.max_completion_length, mask_truncated_completions=cfg.mask_truncated,
@@ -2254,46 +2269,113 @@ def train_trl(cfg: Config) -> Path:
         epsilon_high=cfg.epsilon_high, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
         max_grad_norm=cfg.max_grad_norm, disable_dropout=True, gradient_checkpointing=cfg.gradient_checkpointing,
         bf16=has_bf16(pick_device()), logging_steps=1, report_to="none", ddp_find_unused_parameters=False,
-        save_strategy="steps" if cfg.save_every else "no", save_steps=max(cfg.save_every, 1) * per_step)
-    world = args.world_size  # known once args exist (it reads the launcher's environment)
-    print(f"--engine trl: process {args.process_index} of {world} processes")
-    if B % cfg.mini_batch_size or cfg.mini_batch_size % (cfg.micro_batch_size * world):
-        raise ValueError(f"prompts_per_step * num_generations = {B} must be a multiple of mini_batch_size = "
-                         f"{cfg.mini_batch_size}, itself one of micro_batch_size * {world} processes")
-    args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * world)
-    pending, stop = {}, {}
+        save_strategy="steps" if cfg.save_every else "no", save_steps=max(cfg.save_every, 1) * per_step,
+        save_total_limit=save_total_limit or None, use_vllm=vllm is not None, vllm_mode=vllm or "colocate",
+        vllm_importance_sampling_correction=False, generation_kwargs=stop if cfg.stop_at_answer else None)
+    args.gradient_accumulation_steps = cfg.mini_batch_size // (cfg.micro_batch_size * args.world_size)
+    return args, per_step
 
-    class PerRLStep(TrainerCallback):
-        """One metrics.jsonl line per RL step: each value TRL logged, averaged over the step's optimiser steps."""
-        written = 0
 
-        def on_step_end(self, _args, state, control, **kwargs):  # a stop (_run_guard) anywhere: all save, end here
-            if state.global_step % per_step == 0 and trainer.accelerator.gather(
-                    torch.tensor([len(stop)], device=trainer.accelerator.device)).any():
-                control.should_save = control.should_training_stop = True
+TRL_NAMES = {"reward": None, "reward_std": None, "kk_reward": "reward", "frac_reward_zero_std": "zero_std_groups",
+             "completions/mean_length": "completion_length", "completions/clipped_ratio": "truncated"}  # native's
 
-        def on_log(self, _args, state, control, logs=None, **kwargs):
-            for k, v in logs.items():
-                pending.setdefault(k, []).append(v)
-            step, rest = divmod(state.global_step, per_step)
-            if rest or step <= self.written:  # (TRL's end-of-training summary repeats the last step)
-                return
-            nums = {k: [x for x in v if isinstance(x, (int, float))] for k, v in pending.items()}
-            means, self.written = {k: sum(v) / len(v) if v else None for k, v in nums.items()}, step
-            pending.clear()
-            if state.is_world_process_zero:  # "reward": Logic-RL's, as train_step's (TRL's includes format credit)
-                append_jsonl(out / "metrics.jsonl", {**means, "step": step, "reward": means.get("kk_reward")})
 
-    model = load_model(cfg.model, torch.device("cpu"))  # the Trainer moves it to its device
-    trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases and norms
-        model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
-        dual_clip=cfg.dual_clip, train_dataset=data, processing_class=tokenizer,
-        optimizers=(make_optimizer(model, cfg), None), callbacks=[PerRLStep()])
-    with _run_guard(out, stop, lock=trainer.accelerator.is_main_process):  # (one lock per folder)
-        if trainer.accelerator.is_main_process:
+def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_total_limit: int = 1) -> Path:
+    """`python lopti.py train --engine trl`: `train`'s K&K run through LoptiGRPOTrainer, in one process or under
+    `accelerate launch`, with its evaluation (sharded: each process decodes its share of the puzzles) and --resume
+    (TRL's own restore of weights, optimiser, scheduler and RNG from the latest checkpoint-N/). Writes config.json,
+    metrics.jsonl (a line per RL step, the native trainer's names) and checkpoint/ in cfg.output_dir."""
+    from accelerate.utils import gather_object
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl.models import unwrap_model_for_generation
+    out, (args, per_step) = Path(cfg.output_dir), _trl_args(cfg, vllm, save_total_limit)
+    print(f"--engine trl: process {args.process_index} of {args.world_size} processes")
+    if cfg.stop_at_answer and cfg.mask_truncated:  # TRL would take a completion cut at </answer> for a truncated one
+        raise ValueError("--engine trl: stop_at_answer and mask_truncated together are not supported")
+    saved, main, stop, pending = _open_run_folder(cfg, resume, True, args.world_size), args.process_index == 0, {}, {}
+    stages = ("low", "high") if cfg.lopti_order == "low_first" else ("high", "low")
+    with _run_guard(out, stop, lock=main):  # (one lock per folder)
+        ckpt = get_last_checkpoint(str(out)) if resume else None  # TRL's newest checkpoint-N/
+        if resume and ckpt is None and latest_checkpoint(str(out)):
+            raise ValueError(f"--resume: {out}/ is a run of the native engine: resume it without --engine trl")
+        if resume:
+            _resume_check(cfg, out, saved, int(ckpt.rsplit("-", 1)[1]) // per_step if ckpt else 0, ckpt, main)
+        elif main:  # again under the lock: another train may have begun here since the check above
+            _check_new_run_folder(out, "pass --resume to continue it, or ")
+        tokenizer, (rows, eval_rows) = load_tokenizer(cfg.model), load_task_data(cfg)
+        prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"]]  # templated text: TRL applies no template
+        if tokenizer(prompts[:1])["input_ids"] != tokenizer(prompts[:1], add_special_tokens=False)["input_ids"]:
+            raise ValueError(f"{cfg.model}'s tokenizer adds special tokens to the templated prompt (as TRL calls it)")
+        data = datasets.Dataset.from_dict({"prompt": prompts, "solution_text_format": rows["solution_text_format"]})
+
+        def kk(completions, solution_text_format, log_metric, **_):  # the training reward, as train_step's
+            r, trained = kk_rewards(completions, solution_text_format, cfg.format_reward)  # Logic-RL's for metrics
+            r = trainer.accelerator.gather(r.to(trainer.accelerator.device)).cpu()  # all processes' rows
+            metrics = (("kk_reward", r), ("accuracy", r == KK_MAX_REWARD), ("format_error", r == KK_FORMAT_ERROR))
+            for key, value in metrics:
+                log_metric(key, value.float().mean().item())
+            return trained.tolist()
+
+        def evaluate_all() -> dict[str, float]:  # the model gathered as TRL's generation gathers it (ZeRO-3)
+            acc = trainer.accelerator
+            with unwrap_model_for_generation(trainer.model_wrapped, acc, args.ds3_gather_for_generation) as model:
+                shard = eval_rows.select(range(acc.process_index, len(eval_rows), acc.num_processes))
+                result = evaluate(model, tokenizer, shard, cfg, acc.device, gather_object)
+            trainer.model.train()  # (rollout's model.eval(): TRL logs a step's metrics by the model's mode)
+            return result
+
+        class PerRLStep(TrainerCallback):
+            """One metrics.jsonl line per RL step: TRL's logged values, averaged over the step's optimiser steps."""
+
+            def on_step_begin(self, _args, state, control, **kwargs):
+                if state.global_step % per_step == 0:
+                    self.t0 = time.perf_counter()
+
+            def on_step_end(self, _args, state, control, **kwargs):  # a stop (_run_guard) anywhere: all save, end
+                step, rest = divmod(state.global_step, per_step)
+                if rest:
+                    return
+                pending["time/step"] = [time.perf_counter() - self.t0]
+                if trainer.accelerator.gather(torch.tensor([len(stop)], device=trainer.accelerator.device)).any():
+                    control.should_save = control.should_training_stop = True
+                elif cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:  # (the last: at the end)
+                    evaluated = _on_oom("evaluation", "--eval_batch_size", evaluate_all)
+                    pending.update((k, [v]) for k, v in evaluated.items())
+
+            def on_log(self, _args, state, control, logs=None, **kwargs):
+                if "train_runtime" in logs:  # the Trainer's end-of-training summary
+                    return
+                if cfg.lopti and "grad_norm" in logs:  # the optimiser step's stage: the first half is the first
+                    logs[f"{stages[(state.global_step - 1) % per_step >= per_step // 2]}/grad_norm"] = logs["grad_norm"]
+                for k, v in logs.items():
+                    if TRL_NAMES.get(k, k) and isinstance(v, (int, float)):
+                        pending.setdefault(TRL_NAMES.get(k, k), []).append(v)
+                step, rest = divmod(state.global_step, per_step)
+                if rest:
+                    return
+                means = {k: sum(v) / len(v) for k, v in pending.items()}
+                pending.clear()
+                means["time/update"] = means.pop("time/step") - means["time/rollout"] - means["time/logprobs"]
+                if main:
+                    append_jsonl(out / "metrics.jsonl", {"step": step, **means,
+                                                         "peak_memory_gb": peak_memory_gb(trainer.accelerator.device)})
+
+        model = load_model(cfg.model, torch.device("cpu"))  # the Trainer moves it to its device
+        trainer = _lopti_grpo_trainer_class()(  # lopti's AdamW: it decays all weights, the Trainer's not biases, norms
+            model, kk, args, alpha=cfg.alpha, lopti=cfg.lopti, eta=cfg.eta, lopti_order=cfg.lopti_order,
+            dual_clip=cfg.dual_clip, stop_at=KK_ANSWER_END if cfg.stop_at_answer else None, train_dataset=data,
+            processing_class=tokenizer, optimizers=(make_optimizer(model, cfg), None), callbacks=[PerRLStep()])
+        if main:
             _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
-        trainer.train()
+        trainer.train(resume_from_checkpoint=ckpt)
         trainer.save_model(str(out / "checkpoint"))
+        if not stop:  # the last evaluation, after the saves; also when --resume finds a run stopped in its last step
+            final, lines = _on_oom("evaluation", "--eval_batch_size", evaluate_all), read_jsonl(out / "metrics.jsonl")
+            if main:
+                lines[-1].update(final)
+                _atomic_write(out / "metrics.jsonl", "".join(json.dumps(_strict(r)) + "\n" for r in lines))
+        trainer.accelerator.wait_for_everyone()  # no process exits (and no launcher stops the rest) before the saves
     if stop:
         raise Stopped(stop["signum"], f"stopped after RL step {trainer.state.global_step // per_step} and saved it")
     return out / "checkpoint"
@@ -2381,6 +2463,10 @@ def build_parser() -> argparse.ArgumentParser:
                        f"values may change only {', '.join(RESUME_MAY_CHANGE)}")
     train.add_argument("--engine", choices=("native", "trl"), default="native", help="native: lopti's own loop "
                        "(one device); trl: LoptiGRPOTrainer, also under `accelerate launch` (pip install trl)")
+    train.add_argument("--vllm", choices=("colocate", "server"), help="--engine trl: generate with vLLM in this mode "
+                       "(TRL's use_vllm, vllm_mode; untested on a GPU)")
+    train.add_argument("--save_total_limit", type=int, metavar="N", help="--engine trl: TRL checkpoints kept (default "
+                       "1; 0 keeps all)")
     eval_cmd = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
     _config_arguments(eval_cmd, EVAL_FIELDS)
     diag = sub.add_parser("diagnose", help="the paper's Figures 1 and 3 on one rollout batch of a model",
@@ -2443,18 +2529,21 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.warn(f"--preset {values['preset']} is sized for a CUDA GPU and none was found: this will be "
                               "very slow; use --preset cpu on this machine")
             if args.command == "train" and values.get("engine") == "trl":
-                if values.get("resume") or cfg.diagnose_every:
-                    raise ValueError("--engine trl has no --resume or --diagnose_every; use --engine native")
-                print(f"done: {train_trl(cfg)}")
+                if cfg.diagnose_every:
+                    raise ValueError("--engine trl has no --diagnose_every; use --engine native")
+                trl_flags = [values.get(k, d) for k, d in (("resume", False), ("vllm", None), ("save_total_limit", 1))]
+                print(f"done: {train_trl(cfg, *trl_flags)}")
             elif args.command == "train":
+                if {"vllm", "save_total_limit"} & values.keys():
+                    raise ValueError("--vllm and --save_total_limit need --engine trl")
                 print(f"done: {train(cfg, resume=values.get('resume', False))}")
             elif args.command == "diagnose":
                 print(f"wrote {diagnose(cfg)}")
             else:
                 print(json.dumps(evaluate_model(cfg), indent=2))
     except KeyboardInterrupt as e:
-        native_run = cfg is not None and args.command == "train" and args.engine == "native"
-        hint = "; continue with --resume" if native_run and (Path(cfg.output_dir) / "config.json").exists() else ""
+        run = cfg is not None and args.command == "train"
+        hint = "; continue with --resume" if run and (Path(cfg.output_dir) / "config.json").exists() else ""
         print(f"lopti.py {args.command}: {str(e) or 'interrupted'}{hint}", file=sys.stderr)
         return 128 + getattr(e, "signum", signal.SIGINT)
     except Exception as e:
