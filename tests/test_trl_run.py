@@ -51,7 +51,7 @@ def lines(run: Path) -> list[dict]:
 
 def test_resume_after_a_stop_continues_as_the_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
     """4 RL steps at once, against SIGTERM in step 3 (the run saves after it: checkpoint-6), --resume to 4; the
-    settings check refuses a changed learning rate in one line before anything is written; eval at eval_every."""
+    settings check refuses a changed alpha in one line before anything is written; eval at eval_every."""
     monkeypatch.setattr(lopti, "kk_reward", varied_reward)
     lopti.train_trl(cfg_for(tiny_model_dir, tmp_path / "whole", steps=4, eval_every=2))
     sigterm_at_reward(monkeypatch, calls=3)
@@ -60,8 +60,8 @@ def test_resume_after_a_stop_continues_as_the_uninterrupted_run(tiny_model_dir, 
         lopti.train_trl(cfg)
     assert (tmp_path / "parts" / "checkpoint-6" / "optimizer.pt").is_file() and len(lines(tmp_path / "parts")) == 3
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "parts").rglob("*")}
-    with pytest.raises(ValueError, match=r"learning_rate 0.001 -> 0.002"):
-        lopti.train_trl(cfg_for(tiny_model_dir, tmp_path / "parts", steps=4, learning_rate=2e-3), resume=True)
+    with pytest.raises(ValueError, match=r"alpha 0.3 -> 0.2"):
+        lopti.train_trl(cfg_for(tiny_model_dir, tmp_path / "parts", steps=4, alpha=0.2), resume=True)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "parts").rglob("*")} == before  # nothing written
     with pytest.raises(ValueError, match="resume it with --engine trl"):  # the native engine refuses a TRL run
         lopti.train(cfg, resume=True)
