@@ -79,7 +79,10 @@ class Config:
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
-    """AdamW learning rate, constant (betas 0.9/0.999)."""
+    """Constant learning rate."""
+    optimizer: str = "adamw"
+    """'adamw' (betas 0.9/0.999, the training scripts') or 'sgd': plain SGD, no momentum or decay (the official code's
+    actor.optim.type sgd, verl/workers/fsdp_workers.py; the paper's analysis figures: SGD, lr 1e-3)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -131,7 +134,9 @@ class Config:
     save_every: int = 50
     """Checkpoint every this many steps (and always at the end or on Ctrl-C)."""
     diagnose_every: int = 0
-    """Log Figures 1 and 3 (measure_bins, ~10 extra update passes) before the update every this many steps (0 = off)."""
+    """Log Figure 1 (measure_bins, ~5 extra passes) before the update every this many steps (0 = off)."""
+    measure_update: bool = True
+    """Log Figure 3 of every step's own update (update_counts: one no-grad forward after it), as the official code."""
     output_dir: str = "runs/lopti"
     """Checkpoints, metrics.jsonl, samples.jsonl and config.json go here."""
     seed: int = 0
@@ -152,6 +157,7 @@ class Config:
             ("num_people", 2 <= lo <= hi <= 8, "'lo-hi' or one number within 2..8, e.g. '3-7'"),
             ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"), ("eta", 0 < self.eta <= 1, "in (0, 1]"),
             ("lopti_order", self.lopti_order in ("low_first", "high_first"), "'low_first' or 'high_first'"),
+            ("optimizer", self.optimizer in ("adamw", "sgd"), "'adamw' or 'sgd'"),
             ("dual_clip", self.dual_clip > 1, "> 1"), ("learning_rate", self.learning_rate > 0, "> 0"),
             ("temperature", self.temperature > 0, "> 0"), ("max_grad_norm", self.max_grad_norm > 0, "> 0")]
         for name, ok, allowed in checks:
@@ -338,7 +344,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW as the official scripts train: betas 0.9/0.999, constant learning rate. Fused: the default holds
-    temporaries as large as the parameters during the step (a Qwen2.5-0.5B-shaped model's step: 1.1 GB, on CPU)."""
+    temporaries as large as the parameters during the step (a Qwen2.5-0.5B-shaped model's step: 1.1 GB, on CPU).
+    Or plain SGD (Config.optimizer), as the official code's analysis option: p - lr * g."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
     return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
                              weight_decay=cfg.weight_decay, fused=True)
 
@@ -423,21 +432,56 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict[str, torch.Tensor]], t
     return out
 
 
-# --- Figures 1 and 3 measured on one scored batch, for any policy: the toy's and `python lopti.py diagnose`'s
+# --- Figures 1 and 3 per pi_old bin: Figure 3 on every training step's own update (update_counts), Figure 1 on one
+# scored batch for any policy (measure_bins: the toy's and `python lopti.py diagnose`'s)
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")  # the paper's pi_old bins (Figures 1 and 3)
 PAPER_FIGURES = {  # the paper's GRPO run on K&K (Qwen2.5-7B-Instruct-1M): Figure 1 (a) and (d), Figure 3
     "token_share": [0.1922, 0.1015, 0.1009, 0.6054], "grad_norm": {"bins": [0.71, 0.36, 0.24, 0.15], "all": 0.82},
-    "correct_direction": {"grpo": [0.530, 0.514, 0.501, 0.497], "ar": [0.520, 0.525, 0.530, 0.526],
-                          "lopti": [0.524, 0.517, 0.512, 0.534]}}
-PROBE_METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti": dict(alpha=0.0, lopti=True),
-                 "ar_lopti": dict(lopti=True)}  # Config overrides; AR and Lopti keep the Config's alpha and eta
+    "pos_rose": {"GRPO": [0.530, 0.514, 0.501, 0.497], "AR": [0.520, 0.525, 0.530, 0.526],
+                 "Lopti": [0.524, 0.517, 0.512, 0.534]}}
+UPDATE_KEYS = ("pos_tokens", "pos_rose", "neg_tokens", "neg_fell", "pos_change", "neg_change")  # update/..., per bin
 
 
 def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(4, B, T) bool: the completion tokens of each pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1]."""
     bins = torch.bucketize(old_logprobs.float().exp(), torch.tensor([0.25, 0.5, 0.75], device=mask.device))
     return torch.stack([(bins == b) & mask.bool() for b in range(4)])
+
+
+def update_counts(old_logprobs: torch.Tensor, new_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, list]:
+    """Figure 3 as the official code records it at every step (verl/trainer/ppo/ray_trainer.py, plot_fig_type
+    "prob_stat"): per pi_old bin, the tokens with A > 0 and with A < 0 (A before AR: its `old_advantages`), how many
+    of them rose (A > 0) or fell (A < 0) from pi_old to pi after the step's whole update, and the mean change of pi
+    per sign (None where a bin has no token). Counts, so that steps and runs pool by summing. Figure 3's ratio is
+    update/pos_rose / update/pos_tokens."""
+    masks, adv = bin_masks(old_logprobs, mask), _token_advantages(advantages, old_logprobs)  # (4, B, T), (B, T)
+    rise, change = (new_logprobs - old_logprobs).sign(), (new_logprobs.exp() - old_logprobs.exp()).double()  # (B, T)
+    out = {}
+    for sign, name, moved in ((1, "pos", "rose"), (-1, "neg", "fell")):
+        m = masks & (adv.sign() == sign)  # (4, B, T)
+        n = m.sum((1, 2))  # (4,)
+        out[f"update/{name}_tokens"] = n.tolist()
+        out[f"update/{name}_{moved}"] = (m & (rise == sign)).sum((1, 2)).tolist()
+        out[f"update/{name}_change"] = [None if k == 0 else float(c / k) for c, k in zip((change * m).sum((1, 2)), n)]
+    return out
+
+
+def pool_update_counts(records: list[dict]) -> dict[str, list]:
+    """update_counts of several steps or runs (metrics lines; the "update/" prefix optional) pooled exactly: counts
+    summed per bin, mean changes weighted by their token counts."""
+    get = lambda r, k: r.get(f"update/{k}", r.get(k)) or [0] * 4  # noqa: E731 (a line without the measurement: 0)
+    out = {k: [sum(get(r, k)[b] for r in records) for b in range(4)] for k in UPDATE_KEYS if "change" not in k}
+    for sign in ("pos", "neg"):
+        total = [sum(get(r, f"{sign}_tokens")[b] * (get(r, f"{sign}_change")[b] or 0) for r in records) for b in range(4)]
+        out[f"{sign}_change"] = [t / n if n else None for t, n in zip(total, out[f"{sign}_tokens"])]
+    return out
+
+
+def fig3_ratio(counts: dict) -> list:
+    """Figure 3 from pooled counts: per bin, the share of A > 0 tokens whose probability rose (None: no token)."""
+    return [r / n if n else None for r, n in zip(counts["pos_rose"], counts["pos_tokens"])]
 
 
 def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> list[list[torch.Tensor]]:
@@ -461,76 +505,43 @@ def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, bat
 
 
 def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict, sgd_lr: float = 1e-3) -> dict:
-    """Figures 1 and 3 on one scored batch (update_policy's `batch`) of the policy with `model`'s weights and
-    `logprob_fn`. Per bin (None if empty): token_share (of all tokens, of those with A != 0), grad_norm
-    (bin_gradients'; "all": of their sum), prob_change (mean and spread of pi_new - pi_old after one SGD probe of
-    GRPO on all tokens, only the lowest bin, only the highest), correct_direction (the share of A > 0 tokens whose
-    pi rose after one probe of each method). A probe is update_policy (Lopti: both stages), one step per pass from
-    the same weights: "sgd" at `sgd_lr`, no clip (Figure 3's caption: SGD, lr 1e-3), or "adamw": the trainer's AdamW,
-    lr and clip, fresh state shared by Lopti's two stages as in training. GRPO's probes step along the bins' gradient
-    sum, which is update_policy's step without its backward (tested). Change = exp(new logp) - exp(old logp), as
-    the official plots (verl/trainer/fig_plot.py). The weights are restored bit for bit after every probe."""
+    """Figure 1 on one scored batch (update_policy's `batch`) of the policy with `model`'s weights and `logprob_fn`.
+    Per bin (None if empty): token_share (of all tokens, of those with A != 0), grad_norm (bin_gradients'; "all": of
+    their sum), prob_change (mean and spread of pi_new - pi_old after one SGD step at `sgd_lr` (Figure 3's caption)
+    of GRPO on all tokens, only the lowest bin, only the highest). Each step is along the bins' gradients: no more
+    backwards. Change = exp(new logp) - exp(old logp), as verl/trainer/fig_plot.py. pi_old is logprob_fn's own, so
+    the ratio is 1 and "before" and "after" have one precision and path (a bf16 run's old_logprobs would not). The
+    weights are restored bit for bit after every probe. (Figure 3 is measured on training's own updates instead:
+    update_counts; a one-batch probe of it from a fresh optimiser state is a different and far noisier quantity.)"""
     mask, B = batch["mask"].bool(), batch["mask"].shape[0]
-    masks, adv = bin_masks(batch["old_logprobs"], mask), _token_advantages(batch["advantages"], batch["mask"])
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def logprobs_now() -> torch.Tensor:
+        out = torch.zeros_like(batch["old_logprobs"], dtype=torch.float32)  # (B, T)
+        for r in torch.arange(B).split(cfg.micro_batch_size):
+            out[r] = logprob_fn({k: v[r] for k, v in batch.items()}).float()
+        return out
+
+    batch = {**batch, "old_logprobs": logprobs_now()}  # (B, T)
+    masks, adv = bin_masks(batch["old_logprobs"], mask), _token_advantages(batch["advantages"], batch["mask"])
     share = lambda m: [float((k & m).sum()) / float(m.sum()) if m.any() else None for k in masks]  # noqa: E731
     norm = lambda gs: math.sqrt(sum(float(g.double().square().sum()) for g in gs))  # noqa: E731
     grads = bin_gradients(cfg, model, logprob_fn, batch)
     grads.append([sum(gs) for gs in zip(*grads)])  # all tokens
     out = {"token_share": {"all": share(mask), "nonzero_advantage": share(mask & (adv != 0))},
-           "grad_norm": {"bins": [norm(g) for g in grads[:4]], "all": norm(grads[4])}}
-
-    @torch.no_grad()
-    def logprobs_now(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(batch["old_logprobs"])  # (B, T); the other rows are not computed
-        for r in rows.split(cfg.micro_batch_size) if len(rows) else ():
-            out[r] = logprob_fn({k: v[r] for k, v in batch.items()}).to(out.dtype)
-        return out
-
-    def probe(method: str, optimiser: str, advantages: torch.Tensor | None = None, grad=None,
-              rows: torch.Tensor = torch.arange(B)) -> torch.Tensor:
-        if grad is not None:  # GRPO's gradient at these weights is the bins' sum: a step along it needs no backward
-            if optimiser == "sgd":
-                with torch.no_grad():
-                    torch._foreach_add_(params, grad, alpha=-sgd_lr)
-            elif any(g.any() for g in grad):  # as update_policy: no step without a gradient, none on a NaN one
-                for p, g in zip(params, grad):
-                    p.grad = g.clone()
-                if math.isfinite(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))):
-                    make_optimizer(model, cfg).step()
-                model.zero_grad(set_to_none=True)
-        else:
-            clip = cfg.max_grad_norm if optimiser == "adamw" else 1e30  # (1e30: no clip)
-            pcfg = replace(cfg, **{"mini_batch_size": B, "num_iterations": 1, "max_grad_norm": clip, "beta": 0.0,
-                                   "alpha": cfg.alpha or Config.alpha, "lopti_order": "low_first",
-                                   **PROBE_METHODS[method]})  # (no KL term, as Figure 1 (d)'s gradients)
-            opt = torch.optim.SGD(params, lr=sgd_lr) if optimiser == "sgd" else make_optimizer(model, pcfg)
-            update_policy(pcfg, logprob_fn, opt, {**batch, "advantages": advantages})
-        after = logprobs_now(rows)
+           "grad_norm": {"bins": [norm(g) for g in grads[:4]], "all": norm(grads[4])}, "prob_change": {}}
+    stat = lambda xs, f: [None if x.numel() == 0 else float(f(x)) for x in xs]  # noqa: E731
+    for name, grad in (("all", grads[4]), ("lowest_only", grads[0]), ("highest_only", grads[3])):
+        with torch.no_grad():
+            torch._foreach_add_(params, grad, alpha=-sgd_lr)
+        change = logprobs_now().exp() - batch["old_logprobs"].exp()  # (B, T)
+        d = [change[k] for k in masks]
+        out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
-        return after
-
-    rows_up = (adv > 0).any(1).nonzero().squeeze(1).cpu()  # Figure 3 reads only the A > 0 rows
-    before = logprobs_now(torch.arange(B))  # pi_old by the probes' own forward: "rose" compares like with like
-    before_up = logprobs_now(rows_up)  # the rows the Figure 3 probes score, in the same micro-batches
-    in_bin = lambda x, m: [x[k & m] for k in masks]  # noqa: E731
-    stat = lambda xs, f: [None if x.numel() == 0 else float(f(x)) for x in xs]  # noqa: E731
-    grpo_all = probe("grpo", "sgd", grad=grads[4])
-    out["prob_change"] = {}
-    for name, after in (("all", grpo_all), ("lowest_only", probe("grpo", "sgd", grad=grads[0])),
-                        ("highest_only", probe("grpo", "sgd", grad=grads[3]))):
-        d = in_bin(after.exp() - before.exp(), mask)
-        out["prob_change"][name] = {"mean": stat(d, torch.mean), "std": stat(d, lambda x: x.std(correction=0))}
-    grad_all = grads[4]
-    del grads  # (memory for the AdamW probes' state)
-    out["correct_direction"] = {o: {} for o in ("sgd", "adamw")}
-    for o in out["correct_direction"]:
-        for m in PROBE_METHODS:
-            after = probe(m, o, batch["advantages"], grad_all if m == "grpo" else None, rows=rows_up)
-            out["correct_direction"][o][m] = stat(in_bin((after > before_up).float(), adv > 0), torch.mean)
     return out
 
 
@@ -538,9 +549,10 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
 # A 64-token "language" whose rule is a fixed random next-token table per prompt. A small MLP reads
 # (prompt, previous token, position) and outputs logits; its weights are shared by every position and
 # prompt, so tokens' gradients interfere as in an LLM. A short supervised warm-up on a noisy teacher
-# makes the sampled-token probabilities U-shaped. Reward = share of tokens that follow the rule. The RL
-# update is update_policy and Figures 1 and 3 are measure_bins, both unchanged: the toy supplies the policy,
-# the task and the reward.
+# makes the sampled-token probabilities U-shaped. Reward: 1 when every token follows the rule, else 0 (an
+# outcome reward, as K&K's), or the share of tokens that do ("dense"). The RL update is update_policy, Figure 1
+# is measure_bins and Figure 3 is update_counts on every step's update, all unchanged: the toy supplies the
+# policy, the task and the reward.
 
 
 @dataclass(frozen=True)
@@ -548,6 +560,7 @@ class ToySettings:
     """The toy's knobs; everything not here is lopti.py's Config default (clip ranges, AdamW, grad clip)."""
 
     seed: int = 0
+    reward: str = "outcome"  # "outcome": 1 if all tokens follow the rule, else 0; "dense": the share that do
     steps: int = 40  # RL steps per learning run (part 4: does it learn faster?)
     seeds: int = 3  # learning runs per method
     alpha: float = 0.3  # AR, Eq. 4
@@ -567,7 +580,9 @@ class ToySettings:
 
 
 TOY_QUICK = dict(steps=8, seeds=2, measured_batches=2, measure_after=1)  # toy --quick: a few seconds
-TOY_METHODS = {**PROBE_METHODS, "grpo_2_epochs": dict(alpha=0.0, lopti=False, num_iterations=2)}  # Lopti's 2 passes
+TOY_METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti": dict(alpha=0.0),
+               "ar_lopti": {}, "grpo_2_epochs": dict(alpha=0.0, lopti=False, num_iterations=2)}  # (Lopti's 2 passes)
+METHOD_NAMES = {"grpo": "GRPO", "ar": "AR", "lopti": "Lopti", "ar_lopti": "AR+Lopti", "grpo_2_epochs": "GRPO 2 epochs"}
 
 
 class ToyLM(torch.nn.Module):
@@ -594,11 +609,13 @@ class ToyLM(torch.nn.Module):
         return self.out(self.features(prompts[:, None].expand(B, T), prev, pos))  # (B, T, V)
 
 
-def toy_rewards(rule: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Graded outcome reward: the share of a response's tokens that follow rule[prompt, previous token]."""
+def toy_rewards(rule: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor, outcome: bool = True) -> torch.Tensor:
+    """1 if every token of a response follows rule[prompt, previous token], else 0; or (not `outcome`) the share
+    of its tokens that do."""
     B, T = tokens.shape
     prev = torch.cat([torch.full((B, 1), rule.shape[1] - 1), tokens[:, :-1]], dim=1)  # (B, T)
-    return (tokens == rule[prompts[:, None], prev]).float().mean(dim=1)  # (B,)
+    good = (tokens == rule[prompts[:, None], prev]).float()  # (B, T)
+    return good.amin(dim=1) if outcome else good.mean(dim=1)  # (B,)
 
 
 @torch.no_grad()
@@ -655,7 +672,7 @@ def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Gener
     """Algorithm 1, lines 3-5: G samples per prompt, rewards, group advantages, pi_old by a no-grad forward."""
     prompts = torch.arange(s.prompts).repeat_interleave(s.group)  # (B,)
     tokens = toy_sample(net, prompts, s.response_len, gen)  # (B, T)
-    rewards = toy_rewards(rule, prompts, tokens)  # (B,)
+    rewards = toy_rewards(rule, prompts, tokens, s.reward == "outcome")  # (B,)
     with torch.no_grad():
         old = toy_logprobs(net, {"prompts": prompts, "tokens": tokens})  # (B, T)
     return {"prompts": prompts, "tokens": tokens, "rewards": rewards, "old_logprobs": old,
@@ -703,7 +720,7 @@ def bound_section(net: ToyLM, batch: dict, s: ToySettings) -> dict:
     return out
 
 
-# --- 2 and 3. Figures 1 and 3 in miniature, on GRPO batches
+# --- 2. Figure 1 in miniature, on GRPO batches
 
 
 def toy_mean_std(rows: list) -> dict:
@@ -720,53 +737,55 @@ def toy_mean_std(rows: list) -> dict:
             "std": [r(v) for v in std.tolist()] if std.dim() else r(std.item())}
 
 
-def figures_1_and_3(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
+def figure_1(net: ToyLM, rule: torch.Tensor, s: ToySettings) -> dict:
     """A GRPO run from the warm start; measure_bins (as `python lopti.py diagnose`) on `measured_batches` batches
-    after `measure_after` steps. Mean and std over them, and of each method's top-bin ratio minus GRPO's."""
+    after `measure_after` steps; mean and std over them."""
     net, cfg = copy.deepcopy(net), toy_config(s, "grpo")
     opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(s.seed + 1)
     measured = []
     for step in range(s.measure_after + s.measured_batches):
         batch = toy_rollout(net, rule, s, gen)
         if step >= s.measure_after:
-            measured.append(measure_bins(toy_config(s, "ar_lopti"), net, functools.partial(toy_logprobs, net), batch))
+            measured.append(measure_bins(cfg, net, functools.partial(toy_logprobs, net), batch))
         update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
-    out = toy_mean_std(measured)
-    top = lambda m, o, k: math.nan if m[o][k][3] is None else m[o][k][3]  # noqa: E731 (NaN: an empty top bin)
-    measured = [m["correct_direction"] for m in measured]
-    out["top_bin_minus_grpo"] = {o: {k: toy_mean_std([top(m, o, k) - top(m, o, "grpo") for m in measured])
-                                     for k in PROBE_METHODS if k != "grpo"} for o in ("sgd", "adamw")}
-    return out
+    return toy_mean_std(measured)
 
 
-# --- 4. Does it learn faster? Short RL runs of every method from the same warm start
+# --- 3 and 4. Short RL runs of every method from the same warm start: Figure 3 on their own updates; do they learn
+# faster?
 
 
 def learning_runs(net0: ToyLM, rule: torch.Tensor, s: ToySettings, warm_reward: float) -> dict:
-    """Reward of each step's rollout batch, per method and seed. Seed i gives every method the same first
-    batch. Final reward = mean over the last `final_window` steps; the threshold is shared by all methods."""
+    """Reward of each step's rollout batch, per method and seed, and update_counts after each step's update (its
+    "fig3": summed over steps, per seed). Seed i gives every method the same first batch. Final reward = mean over
+    the last `final_window` steps; the threshold is shared by all methods."""
     threshold = warm_reward + s.threshold_frac * (1 - warm_reward)
     out = {"threshold": round(threshold, 6), "methods": {}}
     for method in TOY_METHODS:
-        cfg, curves = toy_config(s, method), []
+        cfg, curves, fig3 = toy_config(s, method), [], []
         for i in range(s.seeds):
             net = copy.deepcopy(net0)
             opt, gen = make_optimizer(net, cfg), torch.Generator().manual_seed(1000 * (s.seed + 1) + i)
-            curve = []
+            curve, counts = [], []
             for _ in range(s.steps):
                 batch = toy_rollout(net, rule, s, gen)
                 curve.append(float(batch["rewards"].mean()))
                 update_policy(cfg, functools.partial(toy_logprobs, net), opt, batch)
+                with torch.no_grad():
+                    new = toy_logprobs(net, batch)  # (B, T)
+                counts.append(update_counts(batch["old_logprobs"], new, batch["advantages"], batch["mask"]))
             curves.append(curve)
+            fig3.append(pool_update_counts(counts))
         final = [sum(c[-s.final_window:]) / len(c[-s.final_window:]) for c in curves]
         hit = [next((t + 1 for t, r in enumerate(c) if r >= threshold), None) for c in curves]
         out["methods"][method] = {"curve": toy_mean_std(curves), "final": [round(f, 6) for f in final],
-                                  "final_stats": toy_mean_std(final), "steps_to_threshold": hit}
+                                  "final_stats": toy_mean_std(final), "steps_to_threshold": hit,
+                                  "fig3": {**pool_update_counts(fig3), "seeds": [fig3_ratio(c) for c in fig3]}}
     return out
 
 
 def run_toy(s: ToySettings) -> dict:
-    """All four parts of the toy (bound, Fig. 1, Fig. 3, learning speed) for settings `s`; pure: the result
+    """All four parts of the toy (bound, Fig. 1, Fig. 3 and learning speed) for settings `s`; pure: the result
     depends only on `s` (with torch's thread count fixed by the caller)."""
     net, rule = toy_warm_start(s)
     batch = toy_rollout(net, rule, s, torch.Generator().manual_seed(s.seed))
@@ -776,7 +795,7 @@ def run_toy(s: ToySettings) -> dict:
                "bound": bound_section(net, batch, s),
                "warm_start": {"reward": round(warm_reward, 6),
                               "pi_histogram_10": torch.histc(pi, bins=10, min=0, max=1).int().tolist()}}
-    results["figures"] = figures_1_and_3(net, rule, s)
+    results["figures"] = figure_1(net, rule, s)
     results["learning"] = learning_runs(net, rule, s, warm_reward)
     return results
 
@@ -790,7 +809,7 @@ def toy_paired(diff: dict, n: int) -> dict:
 def toy_checks(r: dict) -> list[dict]:
     """The paper's qualitative claims, each marked reproduced or not by the toy's own numbers; comparisons
     between methods also carry their paired spread."""
-    f, learn, n_batches = r["figures"], r["learning"]["methods"], r["settings"]["measured_batches"]
+    f, learn = r["figures"], r["learning"]["methods"]
     nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 (an empty bin compares False)
     share, gn = f["token_share"]["all"]["mean"], f["grad_norm"]["bins"]["mean"]
     dpi = {k: nan(v["std"]["mean"]) for k, v in f["prob_change"].items()}  # how far a bin's tokens move
@@ -805,14 +824,15 @@ def toy_checks(r: dict) -> list[dict]:
         ("2. the highest bin moves less when it alone is updated than when only the lowest is",
          dpi["highest_only"][3] < dpi["lowest_only"][3]),
     )]
-    for o in ("sgd", "adamw"):
-        grpo = nan(f["correct_direction"][o]["grpo"]["mean"])
-        checks.append({"claim": f"3. ({o}) GRPO's correct-direction ratio is lower in the highest bin than the lowest",
-                       "reproduced": grpo[3] < grpo[0]})
-        for m, diff in f["top_bin_minus_grpo"][o].items():
-            diff = {k: nan([v])[0] for k, v in diff.items()}
-            checks.append({"claim": f"3. ({o}) {m} raises the highest bin's correct-direction ratio above GRPO's",
-                           "reproduced": diff["mean"] > 0, **toy_paired(diff, n_batches)})
+    fig3 = {m: nan(fig3_ratio(v["fig3"])) for m, v in learn.items()}  # pooled over seeds and steps
+    checks.append({"claim": "3. GRPO's share of A>0 tokens that rose is lower in the highest bin than the lowest",
+                   "reproduced": fig3["grpo"][3] < fig3["grpo"][0]})
+    for m in ("ar", "lopti", "ar_lopti", "grpo_2_epochs"):  # paired over seeds, each seed pooled over its steps
+        pairs = zip(learn[m]["fig3"]["seeds"], learn["grpo"]["fig3"]["seeds"])
+        diff = toy_mean_std([[nan(a)[3] - nan(b)[3]] for a, b in pairs])
+        diff = {k: v[0] for k, v in diff.items()}
+        checks.append({"claim": f"3. {m} raises the highest bin's share above GRPO's", "reproduced": diff["mean"] > 0,
+                       **toy_paired(diff, len(learn[m]["final"]))})
     for m, ref in (("ar", "grpo"), ("lopti", "grpo"), ("ar_lopti", "grpo"), ("lopti", "grpo_2_epochs")):
         diff = toy_mean_std([[a - b] for a, b in zip(learn[m]["final"], learn[ref]["final"])])
         diff = {k: v[0] for k, v in diff.items()}
@@ -844,7 +864,7 @@ def _pyplot():
 
 
 def plot_bins(axes, r: dict, who: str) -> None:
-    """measure_bins' Figure 1 (a), (d) and Figure 3 (`r`) beside the paper's, on three matplotlib axes."""
+    """measure_bins' Figure 1 (a) and (d) (`r`) beside the paper's, on two matplotlib axes."""
     x, nan = torch.arange(4).float(), lambda xs: [math.nan if v is None else v for v in xs]  # noqa: E731
     paper, rel = PAPER_FIGURES, lambda g: [v / max(g["all"], 1e-12) for v in g["bins"]]  # noqa: E731
     for ax, ours, theirs, title in ((axes[0], r["token_share"]["all"], paper["token_share"], "token share"), (
@@ -853,13 +873,24 @@ def plot_bins(axes, r: dict, who: str) -> None:
         ax.bar(x + 0.2, theirs, 0.4, label="paper")
         ax.set(title=f"Fig. 1: {title}", xticks=x, xticklabels=BIN_NAMES)
         ax.legend()
-    for i, m in enumerate(PROBE_METHODS):
-        for o, ls in (("sgd", "--"), ("adamw", "-")):
-            axes[2].plot(BIN_NAMES, nan(r["correct_direction"][o][m]), marker="o", ls=ls, c=f"C{i}", label=f"{m} {o}")
-        if m in paper["correct_direction"]:
-            axes[2].plot(BIN_NAMES, paper["correct_direction"][m], ls=":", c=f"C{i}", label=f"paper {m}")
-    axes[2].set(title="Fig. 3: share of A>0 tokens whose pi rose")
-    axes[2].legend(fontsize=6, ncol=2)
+
+
+def plot_fig3(ax, table: dict) -> None:
+    """Figure 3 as the paper draws it: grouped bars per pi_old bin, one colour per method or run of `table`
+    ({label: {"ratio": 4 values, optionally "low"/"high": an interval}}), the paper's values as black markers."""
+    width = 0.8 / len(table)
+    for i, (label, t) in enumerate(table.items()):
+        x = [b - 0.4 + width * (i + 0.5) for b in range(4)]
+        y = [math.nan if v is None else v for v in t["ratio"]]
+        err = [[v - lo if None not in (v, lo) else 0 for v, lo in zip(t["ratio"], t["low"])],
+               [hi - v if None not in (v, hi) else 0 for v, hi in zip(t["ratio"], t["high"])]] if "low" in t else None
+        ax.bar(x, y, width, yerr=err, capsize=2, color=f"C{i}", label=label)
+        if label.split(",")[0] in PAPER_FIGURES["pos_rose"]:
+            ax.plot(x, PAPER_FIGURES["pos_rose"][label.split(",")[0]], "k_", ms=12, mew=2)
+    ax.plot([], [], "k_", ms=12, mew=2, label="paper (K&K, Qwen2.5-7B)")
+    ax.axhline(0.5, c="gray", lw=0.5)
+    ax.set(title="Fig. 3: share of A>0 tokens whose pi rose", xticks=range(4), xticklabels=BIN_NAMES, ylim=(0.3, 1))
+    ax.legend(fontsize=7, loc="lower left")
 
 
 def plot_toy(r: dict, path: Path) -> None:
@@ -876,7 +907,8 @@ def plot_toy(r: dict, path: Path) -> None:
     ax[0].set(title="Prop. 4.2: ||grad|| / (1 - pi)", ylim=(0.9, 1.5))
     ax[0].legend()
     means = lambda t: t["mean"] if "mean" in t else {k: means(v) for k, v in t.items()}  # noqa: E731
-    plot_bins(ax[1:4], means(r["figures"]), "toy")
+    plot_bins(ax[1:3], means(r["figures"]), "toy")
+    plot_fig3(ax[3], {METHOD_NAMES[m]: {"ratio": fig3_ratio(v["fig3"])} for m, v in r["learning"]["methods"].items()})
     for i, (m, v) in enumerate(r["learning"]["methods"].items()):
         ax[4].plot(range(1, len(v["curve"]["mean"]) + 1), v["curve"]["mean"], label=m, c=f"C{i}")
     ax[4].axhline(r["learning"]["threshold"], ls="--", c="gray")
@@ -894,8 +926,8 @@ def toy_main(args: argparse.Namespace) -> dict:
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if hasattr(args, f.name)}
     s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
     Config(seed=s.seed, steps=s.steps, alpha=s.alpha, eta=s.eta)  # the range checks train makes, in one place
-    if s.seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {s.seeds}")
+    if s.seeds < 1 or s.reward not in ("outcome", "dense"):
+        raise ValueError(f"seeds must be >= 1 and reward 'outcome' or 'dense', got {s.seeds} and {s.reward!r}")
     out = args.out or (Path("toy") if not given and not args.quick else Path("runs/toy"))
     out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the run
     threads = torch.get_num_threads()
@@ -1699,7 +1731,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     if cfg.mask_truncated:
         batch["mask"] = batch["mask"] & ~batch["truncated"].unsqueeze(1)
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
-    needed = rows_with_gradient(batch["advantages"], cfg.beta) | measure  # (B,) the rows read (measure_bins: all)
+    needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,) the rows read
     batch["old_logprobs"] = _on_oom("pi_old pass", "--micro_batch_size", batched_logprobs, model, batch, cfg, device,
                                     needed)  # (B, C), fixed for this step
     if ref_model is not None:
@@ -1722,6 +1754,12 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     t3 = time.perf_counter()
     stats = _on_oom("update", "--micro_batch_size (or set --gradient_checkpointing true)", update_policy, cfg,
                     logprob_fn, optimizer, tensors) if optimizer else {}
+    if optimizer and cfg.measure_update:  # Figure 3 on this step's update: pi_old's pass again, same rows and micro-
+        t4 = time.perf_counter()  # batches, so that a token whose weights did not move compares equal
+        new = _on_oom("update measurement", "--micro_batch_size (or --measure_update false)", batched_logprobs, model,
+                      batch, cfg, device, needed) if needed.any() else batch["old_logprobs"]  # (B, C)
+        stats.update(update_counts(batch["old_logprobs"], new, batch["advantages"], batch["mask"]))
+        stats["time/measure"] = time.perf_counter() - t4  # (tolist() waited for a GPU)
     grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -1865,17 +1903,18 @@ def _check_new_run_folder(out: Path, hint: str = "") -> None:
 # files: model_fingerprint); and the learning rate, to continue a run that diverged (metrics.jsonl logs it per step).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size", "diagnose_every",
                      "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "output_dir", "model",
-                     "learning_rate")
+                     "learning_rate", "measure_update")
 
 
-def _resume_check(cfg: Config, out: Path, saved: dict, step: int, ckpt: Path | None, write: bool = True) -> None:
-    """--resume (both engines): refuses `cfg` if it differs from the run's `saved` settings outside RESUME_MAY_CHANGE
+def _resume_check(cfg: Config, out: Path, saved: dict, step: int, ckpt: Path | None, write: bool = True,
+                  may_change: tuple = RESUME_MAY_CHANGE) -> None:
+    """--resume (both engines): refuses `cfg` if it differs from the run's `saved` settings outside `may_change`
     or if the checkpoint `ckpt` is at a `step` past cfg.steps; then drops the lines logged after `step`."""
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
-               if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
+               if k not in may_change and v != getattr(cfg, k)]
     if changed:
         raise ValueError(f"--resume: {out}/ was trained with other settings ({', '.join(changed)}); a resumed "
-                         f"run may change only {', '.join(RESUME_MAY_CHANGE)}: start a new --output_dir")
+                         f"run may change only {', '.join(may_change)}: start a new --output_dir")
     if step > cfg.steps:
         raise ValueError(f"--resume: {ckpt} is at step {step}, past --steps {cfg.steps}")
     for path in (out / "metrics.jsonl", out / "samples.jsonl") if write else ():  # (and a line torn mid-write)
@@ -2063,30 +2102,32 @@ def train(cfg: Config, resume: bool = False) -> Path:
 # --- plots
 
 
+def _method(cfg: dict) -> str:
+    """A run's method from its config.json: GRPO, AR, Lopti or AR+Lopti, and the optimiser if not AdamW."""
+    name = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
+        (cfg.get("alpha", 0) > 0, bool(cfg.get("lopti")))]
+    return name + (f", SGD lr {cfg['learning_rate']:g}" if cfg.get("optimizer") == "sgd" else "")
+
+
 def plot_runs(runs: list[Path], out: Path) -> Path:
-    """`python lopti.py plot`: reward, accuracy, format-error share, Lopti's low-token share and (train
-    --diagnose_every) the top bin's correct-direction ratio of the run's method per step, one line per run
-    (5-step running mean over the raw values), labelled by method and seed."""
+    """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one line
+    per run (5-step running mean over the raw values), labelled by method and seed."""
     plt = _pyplot()
     if plt is None:
         raise ImportError("plot needs matplotlib: pip install matplotlib")
     if out.exists() and (out.is_dir() or out.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n"):
         raise FileExistsError(f"--out {out} exists and is not a PNG; choose another --out")
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
-              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"),
-              ("diagnose/correct_direction/adamw/{m}", "Fig. 3, (.75,1]: A>0 tokens that rose (AdamW probe)"))
-    fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
-    top = lambda v: v[3] if isinstance(v, list) else v  # noqa: E731 (a bin list: its top bin)
+              ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for i, run in enumerate(runs):
         if not (run / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"plot: {run}/metrics.jsonl not found; pass run folders written by train")
         lines = read_jsonl(run / "metrics.jsonl")
         cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
-        method = {(False, False): "GRPO", (True, False): "AR", (False, True): "Lopti", (True, True): "AR+Lopti"}[
-            (cfg.get("alpha", 0) > 0, cfg.get("lopti", False))] if cfg else run.name
+        method = _method(cfg) if cfg else run.name
         for ax, (key, title) in zip(axes, panels):
-            values = [(m["step"], top(m.get(key.format(m=method.lower().replace("+", "_"))))) for m in lines]
-            points = [(s, v) for s, v in values if v is not None]
+            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
             if points:
                 x, y = zip(*points)
                 mean = [sum(y[max(0, j - 4): j + 1]) / len(y[max(0, j - 4): j + 1]) for j in range(len(y))]
@@ -2101,7 +2142,52 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
     return out
 
 
-# --- diagnose: the paper's Figures 1 and 3 on a real model's rollouts
+def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int = 2000) -> dict:
+    """`python lopti.py fig3`: Figure 3 from runs' update/ counts (measure_update), pooled per method (per run with
+    `per_run`): per bin, the rose counts summed over all steps over the A > 0 counts summed, with a 95 % interval
+    from a bootstrap over steps (a step's tokens are not independent: the step is the unit). Prints a table beside
+    the paper's numbers, writes the PNG `out` and returns the table."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
+            raise FileNotFoundError(f"fig3: {run} holds no metrics.jsonl and config.json; pass run folders of train")
+        cfg = json.loads((run / "config.json").read_text())
+        label = _method(cfg) + (f", seed {cfg.get('seed')}" if per_run else "")
+        groups.setdefault(label, []).extend(r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r)
+    table, gen = {}, torch.Generator().manual_seed(0)
+    for label, steps in groups.items():
+        if not steps:
+            raise ValueError(f"fig3: the runs of {label} logged no update/ counts (train with --measure_update true)")
+        counts = pool_update_counts(steps)
+        rose, n = (torch.tensor([r[f"update/{k}"] for r in steps], dtype=torch.float64) for k in ("pos_rose",
+                                                                                                "pos_tokens"))
+        pick = torch.randint(len(steps), (resamples, len(steps)), generator=gen)  # (R, S) steps drawn with replacement
+        boot = (rose[pick].sum(1) / n[pick].sum(1)).nan_to_num(math.nan)  # (R, 4); 0/0 (no token drawn) is NaN
+        low, high = (boot.nanquantile(q, dim=0).tolist() for q in (0.025, 0.975))
+        table[label] = {"ratio": fig3_ratio(counts), "low": low, "high": high, "steps": len(steps),
+                        "measured_steps": sum(any(r["update/pos_tokens"]) for r in steps), **counts}
+    print(f"Figure 3: share of A>0 tokens whose probability rose after the step's update, per pi_old bin {BIN_NAMES}")
+    fmt = lambda v, lo, hi, k: f"{v:.3f} [{lo:.3f}, {hi:.3f}] n={k}" if v is not None else "-"  # noqa: E731
+    for label, t in table.items():
+        cells = [fmt(*c) for c in zip(t["ratio"], t["low"], t["high"], t["pos_tokens"])]
+        print(f"{label} ({t['measured_steps']} steps with A>0 tokens): {' | '.join(cells)}")
+    for label, ratio in PAPER_FIGURES["pos_rose"].items():
+        print(f"paper, {label}: {' | '.join(f'{v:.3f}' for v in ratio)}")
+    plt = _pyplot()
+    if plt is None:
+        print("matplotlib is not installed: no PNG")
+        return table
+    fig, ax = plt.subplots(figsize=(8, 4))
+    plot_fig3(ax, table)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return table
+
+
+# --- diagnose: the paper's Figure 1 on a real model's rollouts
 
 
 def diagnose(cfg: Config) -> Path:
@@ -2133,7 +2219,7 @@ def diagnose(cfg: Config) -> Path:
     print(f"reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s (measurement {m['time/diagnose']:.0f} s)")
     plt = _pyplot()
     if plt is not None:
-        fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         plot_bins(ax, r, Path(cfg.model).name)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=100)
@@ -2300,7 +2386,8 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
         if resume and ckpt is None and latest_checkpoint(str(out)):
             raise ValueError(f"--resume: {out}/ is a run of the native engine: resume it without --engine trl")
         if resume:
-            _resume_check(cfg, out, saved, int(ckpt.rsplit("-", 1)[1]) // per_step if ckpt else 0, ckpt, main)
+            _resume_check(cfg, out, saved, int(ckpt.rsplit("-", 1)[1]) // per_step if ckpt else 0, ckpt, main, tuple(
+                k for k in RESUME_MAY_CHANGE if k not in ("model", "learning_rate")))  # (TRL restores its own lr)
         elif main:  # again under the lock: another train may have begun here since the check above
             _check_new_run_folder(out, "pass --resume to continue it, or ")
         tokenizer, (rows, eval_rows) = load_tokenizer(cfg.model), load_task_data(cfg)
@@ -2381,7 +2468,7 @@ def train_trl(cfg: Config, resume: bool = False, vllm: str | None = None, save_t
     return out / "checkpoint"
 
 
-# ====== CLI: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] [--field value ...] ======
+# ====== CLI: python lopti.py {toy,train,eval,diagnose,plot,fig3} [--preset NAME] [--field value ...] ======
 
 
 PRESETS: dict[str, dict] = {
@@ -2447,10 +2534,10 @@ def _config_arguments(parser: argparse.ArgumentParser, names) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lopti.py", description="GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,diagnose,plot}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,diagnose,plot,fig3}")
     toy = sub.add_parser("toy", help="the paper's mechanism on a toy softmax policy (CPU, < 1 minute)")
     # the toy's defaults are ToySettings', its range checks Config's (in toy_main)
-    for name, kind in (("seed", int), ("steps", int), ("seeds", int), ("alpha", float), ("eta", float)):
+    for name, kind in (("seed", int), ("steps", int), ("seeds", int), ("alpha", float), ("eta", float), ("reward", str)):
         toy.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=f"default {getattr(ToySettings, name)}"
                          f"{f'; --quick {TOY_QUICK[name]}' if name in TOY_QUICK else ''}")
     toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ when no setting "
@@ -2469,7 +2556,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "1; 0 keeps all)")
     eval_cmd = sub.add_parser("eval", help="greedy K&K accuracy of a model", argument_default=argparse.SUPPRESS)
     _config_arguments(eval_cmd, EVAL_FIELDS)
-    diag = sub.add_parser("diagnose", help="the paper's Figures 1 and 3 on one rollout batch of a model",
+    diag = sub.add_parser("diagnose", help="the paper's Figure 1 on one rollout batch of a model",
                           argument_default=argparse.SUPPRESS)
     _config_arguments(diag, [f.name for f in fields(Config)])
     diag.add_argument("--checkpoint", type=Path, help="a run's checkpoint folder (RUN_DIR/checkpoint): its weights and "
@@ -2477,7 +2564,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="reward, accuracy, format errors and Lopti's low share of runs, in one PNG")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding metrics.jsonl")
     plot.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write (default curves.png)")
-    for p in (toy, train, eval_cmd, diag, plot):
+    fig3 = sub.add_parser("fig3", help="Figure 3 of runs' own updates, pooled per method with bootstrap intervals")
+    fig3.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders of train")
+    fig3.add_argument("--out", type=Path, default=Path("fig3.png"), help="the PNG to write (default fig3.png)")
+    fig3.add_argument("--per_run", action="store_true", help="one bar per run instead of per method")
+    for p in (toy, train, eval_cmd, diag, plot, fig3):
         p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
 
@@ -2522,6 +2613,8 @@ def main(argv: list[str] | None = None) -> int:
             toy_main(args)
         elif args.command == "plot":
             print(f"wrote {plot_runs(args.runs, args.out)}")
+        elif args.command == "fig3":
+            figure_3(args.runs, args.out, args.per_run)
         else:
             values = vars(args)
             cfg = resolve_config(values)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lopti
-from lopti import (PROBE_METHODS, TOY_METHODS, ToySettings, bin_masks, bound_check, make_optimizer, toy_config,
+from lopti import (TOY_METHODS, ToySettings, bin_masks, bound_check, make_optimizer, toy_config,
                    toy_logprobs, toy_rollout, toy_warm_start, update_policy)
 
 def toy_main(argv):
@@ -33,7 +33,9 @@ def test_quick_run_writes_every_section(quick_run):
     assert all(k in saved for k in SECTIONS)
     assert saved == json.loads(json.dumps(results))
     assert not (out / "results.json.tmp").exists()
-    assert all(set(saved["figures"]["correct_direction"][o]) == set(PROBE_METHODS) for o in ("sgd", "adamw"))
+    for m, v in saved["learning"]["methods"].items():  # Figure 3 on every method's own updates, every seed
+        assert set(v["fig3"]) == {*lopti.UPDATE_KEYS, "seeds"} and len(v["fig3"]["seeds"]) == saved["settings"]["seeds"]
+        assert sum(v["fig3"]["pos_tokens"]) > 0, m
     assert len(saved["learning"]["methods"]["grpo"]["curve"]["mean"]) == saved["settings"]["steps"]
 
 
@@ -88,7 +90,15 @@ def test_same_seed_same_json(quick_run, tmp_path):
     assert (tmp_path / "results.json").read_bytes() == (quick_run[1] / "results.json").read_bytes()
 
 
-@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
+def test_outcome_reward_is_all_or_nothing_and_dense_is_the_share():
+    rule = torch.tensor([[1, 2, 0, 0], [2, 0, 1, 0]])  # rule[prompt, previous token]; BOS is id 3 (the last column)
+    tokens = torch.tensor([[0, 1, 2], [0, 1, 0]])  # prompt 0 from BOS: 0 follows, then rule[0,0] = 1, rule[0,1] = 2
+    prompts = torch.tensor([0, 0])
+    assert lopti.toy_rewards(rule, prompts, tokens).tolist() == [1.0, 0.0]
+    assert lopti.toy_rewards(rule, prompts, tokens, outcome=False).tolist() == pytest.approx([1.0, 2 / 3])
+
+
+@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--reward", "sparse"], ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
                                  ["--alpha", "-0.1"], ["--alpha", "1.5"], ["--seed", "-3"], ["--steps", "x"]])
 def test_bad_options_are_one_line_and_exit_2(bad, tmp_path, capsys):
     try:  # argparse (a value that is not a number) or Config's range checks, as train's: one line, exit 2

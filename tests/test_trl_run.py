@@ -3,6 +3,7 @@ stop_at_answer, the vLLM arguments, the native trainer's metric names, and a sto
 processes) that saves before any process exits and resumes."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,10 @@ def test_resume_after_a_stop_continues_as_the_uninterrupted_run(tiny_model_dir, 
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "parts").rglob("*")}
     with pytest.raises(ValueError, match=r"alpha 0.3 -> 0.2"):
         lopti.train_trl(cfg_for(tiny_model_dir, tmp_path / "parts", steps=4, alpha=0.2), resume=True)
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "moved")
+    for change in (dict(learning_rate=1e-4), dict(model=str(moved))):  # the native engine's may change; TRL
+        with pytest.raises(ValueError, match=f"{next(iter(change))} .* -> "):  # restores its own from checkpoint-N/
+            lopti.train_trl(cfg_for(tiny_model_dir, tmp_path / "parts", steps=4, **change), resume=True)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "parts").rglob("*")} == before  # nothing written
     with pytest.raises(ValueError, match="resume it with --engine trl"):  # the native engine refuses a TRL run
         lopti.train(cfg, resume=True)

@@ -1,6 +1,7 @@
 """update_policy, Algorithm 1: AR before the split, low pass then high pass from the updated weights, the
 same pi_old in both passes, one optimiser step per mini-batch, micro-batching that changes nothing."""
 import dataclasses
+import json
 import math
 
 import pytest
@@ -215,27 +216,54 @@ def test_one_token_gradient_norm_by_hand():
     assert r["grad_norm"]["bins"] == pytest.approx([0, 0, 0, 0.3 * math.sqrt(2)], rel=1e-6)  # policy_loss is fp32
     assert r["grad_norm"]["all"] == pytest.approx(0.3 * math.sqrt(2), rel=1e-6)
     assert r["token_share"] == {"all": [0, 0, 0, 1], "nonzero_advantage": [0, 0, 0, 1]}
-    assert r["correct_direction"]["sgd"]["grpo"] == [None, None, None, 1.0]  # an empty bin is None, never NaN
+    assert r["prob_change"]["all"]["mean"][:3] == [None] * 3  # an empty bin is None, never NaN
 
 
-def test_correct_direction_of_a_known_case_and_the_weights_are_restored():
+def test_update_counts_of_a_known_case_by_hand():
     """One shared context, pi = (0.1, 0.8, 0.1); responses: token 0 (A = 1), token 1 (A = 1), token 2 (A = -0.1),
     and a padded one. GRPO's ascent direction on the logits is g = sum A (e_o - pi) = (0.81, -0.52, -0.29), and
-    d log pi_j = g_j - pi . g = (+1.174, -0.156, ...): the rare token 0 rises and the likely token 1 falls. AdamW's
-    first step moves by sign(g) = (1, -1, -1): d log pi_1 = -1 + 0.8 < 0 as well. So under both probes GRPO's
-    ratios are [1, None, None, 0]: Figure 3's mechanism, a low-probability token pushing a likely one down."""
+    d log pi_j = g_j - pi . g = (+1.174, -0.156, +0.074): the rare token 0 rises and the likely token 1 falls (Figure
+    3's mechanism, a low-probability token pushing a likely one down), and token 2 (A < 0) rises too. So after one
+    plain SGD step of GRPO: A > 0 tokens [1, 0, 0, 1] per bin, of which rose [1, 0, 0, 0]; A < 0 tokens [1, 0, 0, 0],
+    of which fell [0, 0, 0, 0]; the padded row is in no count."""
     z = torch.log(torch.tensor([[0.1, 0.8, 0.1]], dtype=torch.float64))
     model = _Linear(z)
     batch = {"x": torch.ones(4, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0], [1], [2], [1]]),
              "mask": torch.tensor([[True], [True], [True], [False]]),
              "advantages": torch.tensor([1.0, 1.0, -0.1, 0.0], dtype=torch.float64)}
     batch["old_logprobs"] = model.logprobs(batch).detach()
-    before = model.weight.detach().clone()
-    r = measure_bins(Config(micro_batch_size=2, learning_rate=1e-3), model, model.logprobs, batch)
-    for o in ("sgd", "adamw"):
-        assert r["correct_direction"][o]["grpo"] == [1.0, None, None, 0.0], o
-    assert torch.equal(model.weight.detach(), before)  # every probe restored the weights bit for bit
-    assert r["prob_change"]["lowest_only"]["mean"][0] > 0 > r["prob_change"]["lowest_only"]["mean"][3]
+    cfg = Config(micro_batch_size=2, mini_batch_size=4, alpha=0.0, lopti=False, beta=0.0, optimizer="sgd",
+                 learning_rate=1e-2)
+    update_policy(cfg, model.logprobs, lopti.make_optimizer(model, cfg), batch)
+    with torch.no_grad():
+        c = lopti.update_counts(batch["old_logprobs"], model.logprobs(batch), batch["advantages"], batch["mask"])
+    assert (c["update/pos_tokens"], c["update/pos_rose"]) == ([1, 0, 0, 1], [1, 0, 0, 0])
+    assert (c["update/neg_tokens"], c["update/neg_fell"]) == ([1, 0, 0, 0], [0, 0, 0, 0])
+    assert c["update/pos_change"][0] > 0 > c["update/pos_change"][3] and c["update/pos_change"][1] is None
+    assert c["update/neg_change"][0] > 0 and c["update/neg_change"][1:] == [None] * 3
+    json.dumps(c, allow_nan=False)
+
+
+def test_pooling_sums_counts_and_weights_changes_by_tokens():
+    a = {"update/pos_tokens": [2, 0, 1, 3], "update/pos_rose": [1, 0, 1, 1], "update/neg_tokens": [1, 1, 0, 0],
+         "update/neg_fell": [1, 0, 0, 0], "update/pos_change": [0.1, None, -0.2, 0.3],
+         "update/neg_change": [-0.5, 0.25, None, None]}
+    b = {**a, "update/pos_tokens": [1, 0, 0, 1], "update/pos_rose": [1, 0, 0, 0],
+         "update/pos_change": [0.4, None, None, -0.3]}
+    p = lopti.pool_update_counts([a, b, {"step": 3}])  # a line without the measurement adds nothing
+    assert p["pos_tokens"] == [3, 0, 1, 4] and p["pos_rose"] == [2, 0, 1, 1] and p["neg_tokens"] == [2, 2, 0, 0]
+    assert p["pos_change"] == pytest.approx([0.2, None, -0.2, 0.15]) and p["neg_change"][:2] == [-0.5, 0.25]
+    assert lopti.fig3_ratio(p) == [2 / 3, None, 1.0, 0.25]
+
+
+def test_measure_bins_takes_pi_old_from_its_own_forward():
+    """diagnose measures in fp32 while a bf16 run's old_logprobs come from the autocast pass: measure_bins recomputes
+    pi_old itself, so the ratio is 1 and no token loses its gradient to a clip bound through rounding alone."""
+    weight, batch = _problem()
+    model = _Linear(weight)
+    exact = measure_bins(Config(micro_batch_size=4), model, model.logprobs, batch)
+    skewed = {**batch, "old_logprobs": batch["old_logprobs"] + 0.3 * torch.rand(B, T, dtype=batch["x"].dtype)}
+    assert measure_bins(Config(micro_batch_size=4), model, model.logprobs, skewed) == exact
 
 
 def test_a_batch_without_advantages_has_nothing_to_measure():
@@ -244,37 +272,26 @@ def test_a_batch_without_advantages_has_nothing_to_measure():
     model = _Linear(weight)
     r = measure_bins(Config(micro_batch_size=4), model, model.logprobs, {**batch, "advantages": torch.zeros(B)})
     assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"]["nonzero_advantage"] == [None] * 4
-    assert all(v == [None] * 4 for o in r["correct_direction"].values() for v in o.values())
     assert r["prob_change"]["all"]["mean"] == [0.0] * 4 and torch.equal(model.weight.detach(), weight)
 
 
-@pytest.mark.parametrize("run", [dict(alpha=0.0, lopti=False), dict(alpha=0.1, lopti=True, lopti_order="high_first",
-                                                                   beta=0.01)])
-def test_each_probe_is_its_own_method_whatever_the_run_measured(run, monkeypatch):
-    """A GRPO run's checkpoint (alpha 0, no Lopti) or a high-first run with a KL term: the four probes are still GRPO,
-    AR, Lopti (low first) and AR+Lopti, AR at the run's alpha or the paper's, and none has a KL term (as Figure 1 (d)'s
-    gradients); GRPO's probes step along its gradient itself, so update_policy is not called for them."""
+def test_sgd_is_one_plain_step_and_measure_bins_probe_is_update_policys_sgd_step():
+    """--optimizer sgd: p - lr * g exactly (no momentum, no decay), the official code's analysis optimiser; update_policy
+    with it steps along GRPO's gradient, and so does measure_bins' first probe (along bin_gradients' sum)."""
     weight, batch = _problem()
-    model, seen = _Linear(weight), []
-    real = lopti.update_policy
-    monkeypatch.setattr(lopti, "update_policy", lambda cfg, *a: seen.append(cfg) or real(cfg, *a))
-    measure_bins(Config(micro_batch_size=4, **run), model, model.logprobs, batch)
-    alpha = run["alpha"] or Config.alpha
-    expected = [(0.0, False), (alpha, False), (0.0, True), (alpha, True)]  # grpo, ar, lopti, ar_lopti
-    assert [(c.alpha, c.lopti) for c in seen] == expected[1:] * 2  # sgd, then adamw; GRPO steps along its gradient
-    assert all(c.beta == 0.0 and c.lopti_order == "low_first" for c in seen)
-
-
-def test_grpos_probe_step_along_the_bins_gradient_is_update_policys_step():
-    """measure_bins steps GRPO's probes along bin_gradients' sum instead of running update_policy again: the AdamW
-    step (gradient clip, fresh state) lands on the same weights as update_policy's."""
-    weight, batch = _problem()
-    cfg = Config(micro_batch_size=4, learning_rate=1e-3, max_grad_norm=0.01)  # (a clip that bites)
+    cfg = Config(micro_batch_size=4, mini_batch_size=B, learning_rate=1e-3, optimizer="sgd", max_grad_norm=1e30,
+                 beta=0.0, alpha=0.0, lopti=False, weight_decay=0.5)  # (a decay that SGD must not apply)
     model = _Linear(weight)
-    model.weight.grad = sum(g[0] for g in bin_gradients(cfg, model, model.logprobs, batch))
-    torch.nn.utils.clip_grad_norm_([model.weight], cfg.max_grad_norm)
+    model.weight.grad = torch.randn_like(weight)
     lopti.make_optimizer(model, cfg).step()
-    reference = _Linear(weight)
-    grpo = dataclasses.replace(cfg, mini_batch_size=B, num_iterations=1, beta=0.0, alpha=0.0, lopti=False)
-    update_policy(grpo, reference.logprobs, lopti.make_optimizer(reference, grpo), batch)
-    assert not torch.equal(model.weight, weight) and torch.equal(model.weight, reference.weight)
+    assert torch.equal(model.weight.detach(), weight - 1e-3 * model.weight.grad)
+    model = _Linear(weight)
+    grad = sum(g[0] for g in bin_gradients(cfg, model, model.logprobs, batch))
+    update_policy(cfg, model.logprobs, lopti.make_optimizer(model, cfg), batch)
+    torch.testing.assert_close(model.weight.detach(), weight - 1e-3 * grad, rtol=1e-12, atol=1e-15)
+    stepped, real, probe = [], torch._foreach_add_, _Linear(weight)
+    with pytest.MonkeyPatch.context() as mp:  # the weights of measure_bins' first probe (GRPO, all tokens)
+        mp.setattr(torch, "_foreach_add_", lambda ps, g, alpha: (real(ps, g, alpha=alpha), stepped.append(
+            ps[0].detach().clone())))
+        measure_bins(cfg, probe, probe.logprobs, batch)
+    torch.testing.assert_close(stepped[0], model.weight.detach(), rtol=1e-12, atol=1e-15)
