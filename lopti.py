@@ -474,8 +474,9 @@ def pool_update_counts(records: list[dict]) -> dict[str, list]:
     get = lambda r, k: r.get(f"update/{k}", r.get(k)) or [0] * 4  # noqa: E731 (a line without the measurement: 0)
     out = {k: [sum(get(r, k)[b] for r in records) for b in range(4)] for k in UPDATE_KEYS if "change" not in k}
     for sign in ("pos", "neg"):
-        total = [sum(get(r, f"{sign}_tokens")[b] * (get(r, f"{sign}_change")[b] or 0) for r in records) for b in range(4)]
-        out[f"{sign}_change"] = [t / n if n else None for t, n in zip(total, out[f"{sign}_tokens"])]
+        sums = [sum(get(r, f"{sign}_tokens")[b] * (get(r, f"{sign}_change")[b] or 0) for r in records)
+                for b in range(4)]
+        out[f"{sign}_change"] = [t / n if n else None for t, n in zip(sums, out[f"{sign}_tokens"])]
     return out
 
 
@@ -863,6 +864,13 @@ def _pyplot():
     return plt
 
 
+def _save_png(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_bins(axes, r: dict, who: str) -> None:
     """measure_bins' Figure 1 (a) and (d) (`r`) beside the paper's, on two matplotlib axes."""
     x, nan = torch.arange(4).float(), lambda xs: [math.nan if v is None else v for v in xs]  # noqa: E731
@@ -914,9 +922,7 @@ def plot_toy(r: dict, path: Path) -> None:
     ax[4].axhline(r["learning"]["threshold"], ls="--", c="gray")
     ax[4].set(title="reward per step (mean over seeds)", xlabel="RL step")
     ax[4].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save_png(plt, fig, path)
 
 
 def toy_main(args: argparse.Namespace) -> dict:
@@ -2109,14 +2115,18 @@ def _method(cfg: dict) -> str:
     return name + (f", SGD lr {cfg['learning_rate']:g}" if cfg.get("optimizer") == "sgd" else "")
 
 
+def _check_png_out(out: Path) -> None:
+    if out.exists() and (out.is_dir() or out.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n"):
+        raise FileExistsError(f"--out {out} exists and is not a PNG; choose another --out")
+
+
 def plot_runs(runs: list[Path], out: Path) -> Path:
     """`python lopti.py plot`: reward, accuracy, format-error share and Lopti's low-token share per step, one line
     per run (5-step running mean over the raw values), labelled by method and seed."""
     plt = _pyplot()
     if plt is None:
         raise ImportError("plot needs matplotlib: pip install matplotlib")
-    if out.exists() and (out.is_dir() or out.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n"):
-        raise FileExistsError(f"--out {out} exists and is not a PNG; choose another --out")
+    _check_png_out(out)
     panels = (("reward", "Logic-RL reward"), ("accuracy", "accuracy (reward 3)"),
               ("format_error", "format-error share (reward -3)"), ("low/token_share", "Lopti: low-token share"))
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
@@ -2135,10 +2145,7 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
                 ax.plot(x, mean, c=f"C{i}", label=f"{method}, seed {cfg.get('seed', '?')}")
             ax.set(title=title, xlabel="RL step")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _save_png(plt, fig, out)
     return out
 
 
@@ -2148,6 +2155,7 @@ def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int 
     from a bootstrap over steps (a step's tokens are not independent: the step is the unit). Prints a table beside
     the paper's numbers, writes the PNG `out` and returns the table."""
     groups: dict[str, list[dict]] = {}
+    _check_png_out(out)
     for run in runs:
         if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
             raise FileNotFoundError(f"fig3: {run} holds no metrics.jsonl and config.json; pass run folders of train")
@@ -2179,10 +2187,7 @@ def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int 
         return table
     fig, ax = plt.subplots(figsize=(8, 4))
     plot_fig3(ax, table)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _save_png(plt, fig, out)
     print(f"wrote {out}")
     return table
 
@@ -2221,9 +2226,7 @@ def diagnose(cfg: Config) -> Path:
     if plt is not None:
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         plot_bins(ax, r, Path(cfg.model).name)
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=100)
-        plt.close(fig)
+        _save_png(plt, fig, out.with_suffix(".png"))
     return out
 
 
@@ -2537,7 +2540,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{toy,train,eval,diagnose,plot,fig3}")
     toy = sub.add_parser("toy", help="the paper's mechanism on a toy softmax policy (CPU, < 1 minute)")
     # the toy's defaults are ToySettings', its range checks Config's (in toy_main)
-    for name, kind in (("seed", int), ("steps", int), ("seeds", int), ("alpha", float), ("eta", float), ("reward", str)):
+    for name, kind in (("seed", int), ("steps", int), ("seeds", int), ("alpha", float), ("eta", float),
+                       ("reward", str)):
         toy.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=f"default {getattr(ToySettings, name)}"
                          f"{f'; --quick {TOY_QUICK[name]}' if name in TOY_QUICK else ''}")
     toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ when no setting "

@@ -31,6 +31,7 @@ def train_args(argv: list[str]) -> dict:
 
 @pytest.mark.parametrize("argv,match", [
     (["--alpha", "1.5"], "alpha"), (["--eta", "0"], "eta"), (["--lopti_order", "sideways"], "lopti_order"),
+    (["--optimizer", "adam"], "optimizer"),
     (["--micro_batch_size", "0"], "micro_batch_size"), (["--dual_clip", "1"], "dual_clip"),
     (["--max_grad_norm", "-1"], "max_grad_norm"), (["--weight_decay", "-0.1"], "weight_decay"),
     (["--steps", "0"], "steps"), (["--save_every", "-1"], "save_every"),

@@ -36,7 +36,7 @@ def test_only_the_laptop_preset_changes_the_reward():
     ("temperature", math.nan), ("format_reward", -1.0), ("micro_batch_size", 0), ("steps", 0), ("save_every", -1),
     ("generation_batch_size", -2), ("num_people", "1-3"), ("num_people", "3-9"), ("num_people", "5-3"),
     ("num_people", "three"), ("steps", 2.5), ("lopti", "yes"), ("num_generations", True), ("model", None),
-    ("seed", -3)])
+    ("seed", -3), ("optimizer", "adam")])
 def test_bad_values_are_refused_with_the_fields_name(field, value):
     with pytest.raises(ValueError, match=field):
         Config(**{field: value})

@@ -98,7 +98,8 @@ def test_outcome_reward_is_all_or_nothing_and_dense_is_the_share():
     assert lopti.toy_rewards(rule, prompts, tokens, outcome=False).tolist() == pytest.approx([1.0, 2 / 3])
 
 
-@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--reward", "sparse"], ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
+@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--reward", "sparse"],
+                                 ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
                                  ["--alpha", "-0.1"], ["--alpha", "1.5"], ["--seed", "-3"], ["--steps", "x"]])
 def test_bad_options_are_one_line_and_exit_2(bad, tmp_path, capsys):
     try:  # argparse (a value that is not a number) or Config's range checks, as train's: one line, exit 2

@@ -276,8 +276,8 @@ def test_a_batch_without_advantages_has_nothing_to_measure():
 
 
 def test_sgd_is_one_plain_step_and_measure_bins_probe_is_update_policys_sgd_step():
-    """--optimizer sgd: p - lr * g exactly (no momentum, no decay), the official code's analysis optimiser; update_policy
-    with it steps along GRPO's gradient, and so does measure_bins' first probe (along bin_gradients' sum)."""
+    """--optimizer sgd: p - lr * g exactly (no momentum, no decay), the official code's analysis optimiser;
+    update_policy with it steps along GRPO's gradient, and so does measure_bins' first probe (bin_gradients' sum)."""
     weight, batch = _problem()
     cfg = Config(micro_batch_size=4, mini_batch_size=B, learning_rate=1e-3, optimizer="sgd", max_grad_norm=1e30,
                  beta=0.0, alpha=0.0, lopti=False, weight_decay=0.5)  # (a decay that SGD must not apply)
