@@ -562,6 +562,7 @@ class ToySettings:
 
     seed: int = 0
     reward: str = "outcome"  # "outcome": 1 if all tokens follow the rule, else 0; "dense": the share that do
+    answer_len: int = 0  # only the last answer_len tokens count in the reward (0: all of them)
     steps: int = 40  # RL steps per learning run (part 4: does it learn faster?)
     seeds: int = 3  # learning runs per method
     alpha: float = 0.3  # AR, Eq. 4
@@ -610,12 +611,13 @@ class ToyLM(torch.nn.Module):
         return self.out(self.features(prompts[:, None].expand(B, T), prev, pos))  # (B, T, V)
 
 
-def toy_rewards(rule: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor, outcome: bool = True) -> torch.Tensor:
-    """1 if every token of a response follows rule[prompt, previous token], else 0; or (not `outcome`) the share
-    of its tokens that do."""
+def toy_rewards(rule: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor, outcome: bool = True,
+                answer_len: int = 0) -> torch.Tensor:
+    """1 if every token of a response (of its last `answer_len`, if > 0) follows rule[prompt, previous token], else 0;
+    or (not `outcome`) the share of those tokens that do."""
     B, T = tokens.shape
     prev = torch.cat([torch.full((B, 1), rule.shape[1] - 1), tokens[:, :-1]], dim=1)  # (B, T)
-    good = (tokens == rule[prompts[:, None], prev]).float()  # (B, T)
+    good = (tokens == rule[prompts[:, None], prev]).float()[:, -answer_len:]  # (B, T) or (B, answer_len)
     return good.amin(dim=1) if outcome else good.mean(dim=1)  # (B,)
 
 
@@ -673,7 +675,7 @@ def toy_rollout(net: ToyLM, rule: torch.Tensor, s: ToySettings, gen: torch.Gener
     """Algorithm 1, lines 3-5: G samples per prompt, rewards, group advantages, pi_old by a no-grad forward."""
     prompts = torch.arange(s.prompts).repeat_interleave(s.group)  # (B,)
     tokens = toy_sample(net, prompts, s.response_len, gen)  # (B, T)
-    rewards = toy_rewards(rule, prompts, tokens, s.reward == "outcome")  # (B,)
+    rewards = toy_rewards(rule, prompts, tokens, s.reward == "outcome", s.answer_len)  # (B,)
     with torch.no_grad():
         old = toy_logprobs(net, {"prompts": prompts, "tokens": tokens})  # (B, T)
     return {"prompts": prompts, "tokens": tokens, "rewards": rewards, "old_logprobs": old,
@@ -932,8 +934,9 @@ def toy_main(args: argparse.Namespace) -> dict:
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if hasattr(args, f.name)}
     s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
     Config(seed=s.seed, steps=s.steps, alpha=s.alpha, eta=s.eta)  # the range checks train makes, in one place
-    if s.seeds < 1 or s.reward not in ("outcome", "dense"):
-        raise ValueError(f"seeds must be >= 1 and reward 'outcome' or 'dense', got {s.seeds} and {s.reward!r}")
+    if s.seeds < 1 or s.reward not in ("outcome", "dense") or not 0 <= s.answer_len <= s.response_len:
+        raise ValueError(f"seeds must be >= 1, reward 'outcome' or 'dense', answer_len in 0..{s.response_len}; got "
+                         f"{s.seeds}, {s.reward!r}, {s.answer_len}")
     out = args.out or (Path("toy") if not given and not args.quick else Path("runs/toy"))
     out.mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the run
     threads = torch.get_num_threads()
@@ -2541,7 +2544,7 @@ def build_parser() -> argparse.ArgumentParser:
     toy = sub.add_parser("toy", help="the paper's mechanism on a toy softmax policy (CPU, < 1 minute)")
     # the toy's defaults are ToySettings', its range checks Config's (in toy_main)
     for name, kind in (("seed", int), ("steps", int), ("seeds", int), ("alpha", float), ("eta", float),
-                       ("reward", str)):
+                       ("reward", str), ("answer_len", int)):
         toy.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=f"default {getattr(ToySettings, name)}"
                          f"{f'; --quick {TOY_QUICK[name]}' if name in TOY_QUICK else ''}")
     toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default: toy/ when no setting "

@@ -96,9 +96,12 @@ def test_outcome_reward_is_all_or_nothing_and_dense_is_the_share():
     prompts = torch.tensor([0, 0])
     assert lopti.toy_rewards(rule, prompts, tokens).tolist() == [1.0, 0.0]
     assert lopti.toy_rewards(rule, prompts, tokens, outcome=False).tolist() == pytest.approx([1.0, 2 / 3])
+    wrong_first = torch.tensor([[2, 0, 1]])  # 2 breaks the rule (rule[0, BOS] = 0); then 0 and 1 follow it
+    assert lopti.toy_rewards(rule, prompts[:1], wrong_first).item() == 0.0
+    assert lopti.toy_rewards(rule, prompts[:1], wrong_first, answer_len=2).item() == 1.0  # only the answer counts
 
 
-@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--reward", "sparse"],
+@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--reward", "sparse"], ["--answer_len", "13"],
                                  ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
                                  ["--alpha", "-0.1"], ["--alpha", "1.5"], ["--seed", "-3"], ["--steps", "x"]])
 def test_bad_options_are_one_line_and_exit_2(bad, tmp_path, capsys):
