@@ -1,6 +1,5 @@
 """Faults a user meets (issue 27): an output folder that holds a model, a base model that moved, a signal in the last
 step, a diverging run, malformed files, a full disk. Each is one line (exit 2) and leaves every run resumable."""
-import dataclasses
 import errno
 import json
 import os

@@ -185,3 +185,21 @@ def test_cpu_out_of_memory_is_one_line_and_the_checkpoint_resumes(tiny_model_dir
     done = _train(base + ["--steps", "2", "--resume"], out)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_bf16_diagnose_compares_log_probs_of_one_precision_and_path(tiny_model_dir, tmp_path, monkeypatch):
+    """Under bf16 the batch's pi_old comes from the autocast pass, diagnose's forwards are fp32: measure_bins takes
+    pi_old from its own forward, so every ratio its gradients see is exactly 1 (it was off by bf16's rounding)."""
+    cfg, model, batch = _scored_batch(tiny_model_dir, tmp_path, monkeypatch, True)
+    fp32 = functools.partial(lopti.completion_logprobs, model, temperature=cfg.temperature)
+    with torch.no_grad():
+        assert (fp32(batch) - batch["old_logprobs"])[batch["mask"]].abs().max() > 1e-4  # two precisions
+    seen, policy_loss = [], lopti.policy_loss
+
+    def spy(logprobs, old, advantages, mask, **kw):
+        seen.append(float((logprobs.detach() - old)[mask.bool()].abs().max()))
+        return policy_loss(logprobs, old, advantages, mask, **kw)
+
+    monkeypatch.setattr(lopti, "policy_loss", spy)
+    lopti.measure_bins(cfg, model, fp32, batch)
+    assert seen and max(seen) == 0.0, seen

@@ -1,7 +1,6 @@
 """`train --engine trl` as a whole run: evaluation, --resume (against an uninterrupted run), a signal in the last step,
 stop_at_answer, the vLLM arguments, the native trainer's metric names, and a stop of `accelerate launch` (2 CPU
 processes) that saves before any process exits and resumes."""
-import json
 import os
 import shutil
 import signal
