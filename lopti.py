@@ -457,7 +457,7 @@ def update_counts(old_logprobs: torch.Tensor, new_logprobs: torch.Tensor, advant
     per sign (None where a bin has no token). Counts, so that steps and runs pool by summing. Figure 3's ratio is
     update/pos_rose / update/pos_tokens."""
     masks, adv = bin_masks(old_logprobs, mask), _token_advantages(advantages, old_logprobs)  # (4, B, T), (B, T)
-    rise, change = (new_logprobs - old_logprobs).sign(), (new_logprobs.exp() - old_logprobs.exp()).double()  # (B, T)
+    rise, change = (new_logprobs - old_logprobs).sign(), new_logprobs.double().exp() - old_logprobs.double().exp()
     out = {}
     for sign, name, moved in ((1, "pos", "rose"), (-1, "neg", "fell")):
         m = masks & (adv.sign() == sign)  # (4, B, T)
@@ -575,7 +575,7 @@ class ToySettings:
     learning_rate: float = 1e-3
     warmup_steps: int = 60  # supervised steps on the noisy teacher; few, so the policy stays uncertain in places
     teacher_accuracy: float = 0.9
-    measure_after: int = 5  # GRPO steps before the Fig. 1/3 batches (mid-run, as the paper's plots)
+    measure_after: int = 5  # GRPO steps before the Figure 1 batches (mid-run, as the paper's plots)
     measured_batches: int = 8
     threshold_frac: float = 0.5  # threshold = warm-start reward + threshold_frac * (1 - warm-start reward)
     final_window: int = 10  # final reward = mean over the last final_window steps
@@ -899,7 +899,9 @@ def plot_fig3(ax, table: dict) -> None:
             ax.plot(x, PAPER_FIGURES["pos_rose"][label.split(",")[0]], "k_", ms=12, mew=2)
     ax.plot([], [], "k_", ms=12, mew=2, label="paper (K&K, Qwen2.5-7B)")
     ax.axhline(0.5, c="gray", lw=0.5)
-    ax.set(title="Fig. 3: share of A>0 tokens whose pi rose", xticks=range(4), xticklabels=BIN_NAMES, ylim=(0.3, 1))
+    lowest = min([v for t in table.values() for v in t.get("low", t["ratio"]) if v is not None and v == v] or [0.5])
+    ax.set(title="Fig. 3: share of A>0 tokens whose pi rose", xticks=range(4), xticklabels=BIN_NAMES,
+           ylim=(min(0.3, lowest - 0.05), 1))
     ax.legend(fontsize=7, loc="lower left")
 
 
@@ -1399,10 +1401,10 @@ def has_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def autocast(device: torch.device):
+def autocast(device: torch.device, enabled: bool = True):
     """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters (and AdamW's state) stay
     fp32: at lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and has_bf16(device))
 
 
 def _check_model_name(name: str, hint: str = "") -> Path | None:
@@ -1648,17 +1650,17 @@ def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None,
+                     fp32: bool = False) -> torch.Tensor:
     """No-grad log-probs of the completions, micro-batched: pi_old right after rollout, or the reference.
     Only the `rows` ((B,) bool) are computed if given; the others are left at 0, as are the columns after each
-    micro-batch's longest completion. Returns (B, C) float32."""
+    micro-batch's longest completion. `fp32`: no bf16 autocast. Returns (B, C) float32."""
     model.eval()
     B, C = batch["mask"].shape
     out = torch.zeros(B, C, device=batch["mask"].device)  # (B, C)
     index = torch.arange(B) if rows is None else rows.nonzero().squeeze(1).cpu()
     for micro in index.split(cfg.micro_batch_size) if len(index) else ():  # an empty tensor splits into one empty part
-        with autocast(device):
+        with autocast(device, not fp32):
             micro_batch = {k: batch[k][micro] for k in ("input_ids", "attention_mask", "mask")}
             out[micro] = completion_logprobs(model, micro_batch, cfg.temperature)
     return out
@@ -1728,7 +1730,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
                measure: bool = False) -> dict:
     """One RL step (Algorithm 1) on a batch of K&K rows; returns its metrics, and under "samples" the first
     prompt's G completions with their Logic-RL rewards (train() writes them to samples.jsonl). With `measure`,
-    measure_bins' Figures 1 and 3 at the step's weights under "diagnose"; without an optimizer, no update."""
+    measure_bins' Figure 1 at the step's weights under "diagnose"; without an optimizer, no update."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
@@ -1746,6 +1748,16 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     if ref_model is not None:
         batch["ref_logprobs"] = _on_oom("reference pass", "--micro_batch_size", batched_logprobs, ref_model, batch,
                                         cfg, device, needed)
+    # Figure 3 of this step's update (update_counts) compares pi before and after it by the pass over pi_old's rows
+    # and micro-batches, so that an unmoved token compares equal. In fp32 where training runs in bf16, whose rounding
+    # (0.4 %) exceeds what an update at lr 1e-6 moves a token: then "before" is one more pass.
+    fig3, fp32 = optimizer is not None and cfg.measure_update, has_bf16(device)
+
+    def fig3_pass() -> torch.Tensor:  # (B, C)
+        return _on_oom("update measurement", "--micro_batch_size (or --measure_update false)", batched_logprobs,
+                       model, batch, cfg, device, needed, fp32)
+
+    before = fig3_pass() if fig3 and fp32 else batch["old_logprobs"]  # (B, C)
     if device.type == "cuda":  # CUDA runs asynchronously: wait for the passes, or their time lands in the update's
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
@@ -1763,12 +1775,10 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
     t3 = time.perf_counter()
     stats = _on_oom("update", "--micro_batch_size (or set --gradient_checkpointing true)", update_policy, cfg,
                     logprob_fn, optimizer, tensors) if optimizer else {}
-    if optimizer and cfg.measure_update:  # Figure 3 on this step's update: pi_old's pass again, same rows and micro-
-        t4 = time.perf_counter()  # batches, so that a token whose weights did not move compares equal
-        new = _on_oom("update measurement", "--micro_batch_size (or --measure_update false)", batched_logprobs, model,
-                      batch, cfg, device, needed) if needed.any() else batch["old_logprobs"]  # (B, C)
-        stats.update(update_counts(batch["old_logprobs"], new, batch["advantages"], batch["mask"]))
-        stats["time/measure"] = time.perf_counter() - t4  # (tolist() waited for a GPU)
+    if fig3:  # (a step without advantages logs zeros)
+        t4 = time.perf_counter()
+        stats.update(update_counts(before, fig3_pass(), batch["advantages"], batch["mask"]))
+        stats["time/measure"] = time.perf_counter() - t4  # (tolist() waited for a GPU; + "before" in time/logprobs)
     grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -2155,35 +2165,52 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
 def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int = 2000) -> dict:
     """`python lopti.py fig3`: Figure 3 from runs' update/ counts (measure_update), pooled per method (per run with
     `per_run`): per bin, the rose counts summed over all steps over the A > 0 counts summed, with a 95 % interval
-    from a bootstrap over steps (a step's tokens are not independent: the step is the unit). Prints a table beside
-    the paper's numbers, writes the PNG `out` and returns the table."""
-    groups: dict[str, list[dict]] = {}
+    from a bootstrap of runs, then of steps within each (a step's tokens are not independent, nor a run's steps).
+    Runs pool only if their settings differ in nothing but seed and what --resume may change (not model or lr).
+    Prints a table beside the paper's numbers, writes the PNG `out` and returns the table."""
     _check_png_out(out)
+    groups: dict[str, list] = {}
+    same = {"seed", *RESUME_MAY_CHANGE} - {"model", "learning_rate"}  # (settings that may differ in one group)
     for run in runs:
         if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
             raise FileNotFoundError(f"fig3: {run} holds no metrics.jsonl and config.json; pass run folders of train")
         cfg = json.loads((run / "config.json").read_text())
-        label = _method(cfg) + (f", seed {cfg.get('seed')}" if per_run else "")
-        groups.setdefault(label, []).extend(r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r)
-    table, gen = {}, torch.Generator().manual_seed(0)
-    for label, steps in groups.items():
+        label = _method(cfg) + (f", {run.name}" if per_run else "")
+        steps = [r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r]
         if not steps:
-            raise ValueError(f"fig3: the runs of {label} logged no update/ counts (train with --measure_update true)")
-        counts = pool_update_counts(steps)
-        rose, n = (torch.tensor([r[f"update/{k}"] for r in steps], dtype=torch.float64) for k in ("pos_rose",
-                                                                                                "pos_tokens"))
-        pick = torch.randint(len(steps), (resamples, len(steps)), generator=gen)  # (R, S) steps drawn with replacement
-        boot = (rose[pick].sum(1) / n[pick].sum(1)).nan_to_num(math.nan)  # (R, 4); 0/0 (no token drawn) is NaN
-        low, high = (boot.nanquantile(q, dim=0).tolist() for q in (0.025, 0.975))
-        table[label] = {"ratio": fig3_ratio(counts), "low": low, "high": high, "steps": len(steps),
-                        "measured_steps": sum(any(r["update/pos_tokens"]) for r in steps), **counts}
-    print(f"Figure 3: share of A>0 tokens whose probability rose after the step's update, per pi_old bin {BIN_NAMES}")
+            raise ValueError(f"fig3: {run} logged no update/ counts (runs of --engine trl or --measure_update false "
+                             "do not); train with the native engine")
+        for other, _ in groups.get(label, [])[:1]:
+            diff = [k for k in cfg.keys() | other.keys() if k not in same and cfg.get(k) != other.get(k)]
+            if diff:
+                raise ValueError(f"fig3: the {label} runs differ in {', '.join(sorted(diff))}; plot them apart or "
+                                 "add --per_run")
+        groups.setdefault(label, []).append((cfg, steps))
+    table, gen, order = {}, torch.Generator().manual_seed(0), ("GRPO", "AR", "Lopti", "AR+Lopti")
+    for label, members in sorted(groups.items(), key=lambda g: (order.index(g[0].split(",")[0]), g[0])):
+        steps = [r for _, run_steps in members for r in run_steps]
+        boot = []  # per run: (R, 4) rose and A > 0 sums of its steps drawn with replacement
+        for _, run_steps in members:
+            rose, n = (torch.tensor([r[f"update/{k}"] for r in run_steps], dtype=torch.float64) for k in (
+                "pos_rose", "pos_tokens"))  # (S, 4)
+            pick = torch.randint(len(run_steps), (resamples, len(run_steps)), generator=gen)  # (R, S)
+            boot.append(torch.stack([rose[pick].sum(1), n[pick].sum(1)]))  # (2, R, 4)
+        runs_drawn = torch.randint(len(members), (resamples, len(members)), generator=gen)  # (R, k)
+        rose, n = torch.stack(boot)[runs_drawn, :, torch.arange(resamples)[:, None]].sum(1).unbind(1)  # (R, 4) each
+        low, high = ((rose / n).nanquantile(q, dim=0).tolist() for q in (0.025, 0.975))  # (0/0: no token drawn)
+        counts, measured = pool_update_counts(steps), sum(any(r["update/pos_tokens"]) for r in steps)
+        table[label] = {"ratio": fig3_ratio(counts), "low": low, "high": high, "runs": len(members),
+                        "steps": len(steps), "measured_steps": measured, **counts}
+    print(f"Figure 3: share of A>0 tokens whose probability rose after the step's update, per pi_old bin {BIN_NAMES};"
+          " 95 % bootstrap interval; n = A>0 tokens")
     fmt = lambda v, lo, hi, k: f"{v:.3f} [{lo:.3f}, {hi:.3f}] n={k}" if v is not None else "-"  # noqa: E731
     for label, t in table.items():
-        cells = [fmt(*c) for c in zip(t["ratio"], t["low"], t["high"], t["pos_tokens"])]
-        print(f"{label} ({t['measured_steps']} steps with A>0 tokens): {' | '.join(cells)}")
+        fell = [f"{f / k:.3f}" if k else "-" for f, k in zip(t["neg_fell"], t["neg_tokens"])]
+        print(f"{label}, {t['runs']} run(s), {t['measured_steps']} steps with A>0 tokens: "
+              f"{' | '.join(fmt(*c) for c in zip(t['ratio'], t['low'], t['high'], t['pos_tokens']))}; "
+              f"A<0 tokens that fell: {' | '.join(fell)}")
     for label, ratio in PAPER_FIGURES["pos_rose"].items():
-        print(f"paper, {label}: {' | '.join(f'{v:.3f}' for v in ratio)}")
+        print(f"paper (K&K, Qwen2.5-7B-Instruct-1M), {label}: {' | '.join(f'{v:.3f}' for v in ratio)}")
     plt = _pyplot()
     if plt is None:
         print("matplotlib is not installed: no PNG")
@@ -2222,7 +2249,8 @@ def diagnose(cfg: Config) -> Path:
     train_rows = load_task_data(cfg)[0]
     model = load_model(cfg.model, device)
     m = train_step(cfg, model, None, tokenizer, None, train_rows[step_rows(len(train_rows), cfg, 0)], device, True)
-    r = {"bins": list(BIN_NAMES), **m["diagnose"], "paper": PAPER_FIGURES}
+    r = {"bins": list(BIN_NAMES), **m["diagnose"], "paper": {k: PAPER_FIGURES[k] for k in ("token_share",
+                                                                                            "grad_norm")}}
     _atomic_write(out, json.dumps(_strict(r), indent=1, allow_nan=False) + "\n")
     print(f"reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s (measurement {m['time/diagnose']:.0f} s)")
     plt = _pyplot()

@@ -1,5 +1,7 @@
 """Figure 3 as the paper measured it: every training step's own update, counted per pi_old bin (update_counts in
 train_step), and `python lopti.py fig3` pooling runs."""
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -46,6 +48,31 @@ def test_a_token_whose_weights_did_not_move_compares_equal(tiny_model_dir, monke
     assert sum(m["update/pos_rose"]) > 0 and sum(m["update/neg_fell"]) > 0
 
 
+def test_under_bf16_the_measurement_is_fp32_and_agrees_with_an_independent_one(tiny_model_dir, monkeypatch):
+    """At the paper's lr 1e-6 an update moves a log-prob by far less than bf16's rounding, so a bf16 measurement is
+    noise (pi_old's own bf16 pass against a bf16 pass after the step gets the sign of many changes wrong). Under bf16
+    the measurement's before and after are fp32 passes: its counts equal an fp32 recomputation of the whole batch
+    with the weights from before and after the step."""
+    monkeypatch.setenv("LOPTI_CPU_BF16", "1")
+    monkeypatch.setattr(lopti, "kk_reward", varied_reward)
+    cfg = tiny_config(tiny_model_dir, "unused", beta=0.0, temperature=1.0, mini_batch_size=8, learning_rate=1e-6)
+    model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
+    start, seen = copy.deepcopy(model), {}
+    monkeypatch.setattr(lopti, "batched_logprobs", lambda m, batch, *a: seen.setdefault("batch", batch) and
+                        BATCHED_LOGPROBS(m, batch, *a))
+    torch.manual_seed(0)
+    m = lopti.train_step(cfg, model, None, tok, lopti.make_optimizer(model, cfg), lopti.kk_generate(2, 3, seed=0), CPU)
+    b = seen["batch"]
+    with torch.no_grad():
+        old, new = (lopti.completion_logprobs(x, b, cfg.temperature) for x in (start, model))  # fp32: no autocast
+    expected = lopti.update_counts(old, new, b["advantages"], b["mask"])
+    assert sum(m["update/pos_rose"]) > 0 and all(m[k] == expected[k] for k in expected if "change" not in k), (
+        m, expected)
+    bf16 = lopti.update_counts(b["old_logprobs"], lopti.batched_logprobs(model, b, cfg, CPU), b["advantages"],
+                               b["mask"])  # what a bf16 measurement would log
+    assert bf16["update/pos_rose"] != expected["update/pos_rose"]
+
+
 def test_switched_off_it_runs_no_forward(tiny_model_dir, monkeypatch):
     """measure_update true costs one no-grad forward per pi_old micro-batch; false none, and logs no update/ key."""
     monkeypatch.setattr(lopti, "kk_reward", varied_reward)
@@ -88,7 +115,7 @@ def test_pooling_two_runs_is_the_sum_of_their_counts(two_runs, tmp_path):
     for v, lo, hi in zip(t["ratio"], t["low"], t["high"]):
         assert v is None or lo <= v <= hi  # the pooled ratio inside its bootstrap interval
     per_run = lopti.figure_3(list(two_runs), tmp_path / "g.png", per_run=True)
-    assert list(per_run) == ["GRPO, seed 0", "GRPO, seed 1"]
+    assert list(per_run) == ["GRPO, s0", "GRPO, s1"]  # labelled by run folder
     assert [a + b for a, b in zip(*(per_run[k]["pos_rose"] for k in per_run))] == t["pos_rose"]
     pytest.importorskip("matplotlib")
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
@@ -104,3 +131,41 @@ def test_fig3_of_a_folder_without_counts_is_one_line(two_runs, tmp_path, capsys)
         assert lopti.main(["fig3", str(folder), "--out", str(tmp_path / "x.png")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and match in err, err
+
+
+def _synthetic_run(folder, steps, **settings):
+    """A run folder with config.json and a metrics.jsonl line per step of (pos_tokens, pos_rose) per bin."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(lopti.Config(**settings))))
+    lines = [{"step": i + 1, "update/pos_tokens": n, "update/pos_rose": r, "update/neg_tokens": [1, 0, 0, 0],
+              "update/neg_fell": [1, 0, 0, 0], "update/pos_change": [0.0] * 4, "update/neg_change": [-0.1, None, None,
+                                                                                                     None]}
+             for i, (n, r) in enumerate(steps)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return folder
+
+
+def test_fig3_intervals_labels_order_and_refusals(tmp_path, capsys):
+    """Identical steps give an interval of width 0; unlike steps one that holds the pooled ratio and spans the
+    steps' own ratios' range at most; methods come in the paper's order, SGD runs labelled; runs that differ in a
+    setting other than the seed are not pooled (one line), unless --per_run."""
+    same = [([4, 2, 0, 10], [2, 1, 0, 5])] * 3
+    mixed = [([10, 0, 0, 10], [10, 0, 0, 2]), ([10, 0, 0, 10], [0, 0, 0, 8])]
+    runs = [_synthetic_run(tmp_path / "a", mixed, alpha=0.3, lopti=True),
+            _synthetic_run(tmp_path / "b", same, alpha=0.0, lopti=False, seed=1),
+            _synthetic_run(tmp_path / "c", same, alpha=0.0, lopti=False, seed=2),
+            _synthetic_run(tmp_path / "d", same, alpha=0.0, lopti=False, optimizer="sgd", learning_rate=1e-3)]
+    table = lopti.figure_3(runs, tmp_path / "f.png")
+    assert list(table) == ["GRPO", "GRPO, SGD lr 0.001", "AR+Lopti"]
+    g = table["GRPO"]
+    assert g["ratio"] == [0.5, 0.5, None, 0.5] and g["low"][0] == g["high"][0] == 0.5 and g["runs"] == 2
+    a = table["AR+Lopti"]
+    assert a["ratio"] == [0.5, None, None, 0.5] and 0 <= a["low"][0] < 0.5 < a["high"][0] <= 1
+    assert a["low"][3] >= 0.2 and a["high"][3] <= 0.8  # no resample leaves the steps' own range
+    out = capsys.readouterr().out
+    assert "A<0 tokens that fell: 1.000 | - | - | -" in out and "paper (K&K" in out
+    other = _synthetic_run(tmp_path / "e", same, alpha=0.0, lopti=False, num_iterations=2)
+    assert lopti.main(["fig3", str(runs[1]), str(other), "--out", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the GRPO runs differ in num_iterations" in err, err
+    assert lopti.main(["fig3", str(runs[1]), str(other), "--per_run", "--out", str(tmp_path / "g.png")]) == 0

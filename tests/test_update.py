@@ -176,7 +176,7 @@ def test_a_batch_without_any_gradient_takes_no_step():
     assert n_kl == 1
 
 
-# --- measure_bins: Figures 1 and 3 for any policy (the toy's and `python lopti.py diagnose`'s measurement)
+# --- update_counts (Figure 3 of an update) and measure_bins (Figure 1 for any policy: the toy's and diagnose's)
 
 
 class _Linear(torch.nn.Module):
@@ -284,7 +284,7 @@ def test_sgd_is_one_plain_step_and_measure_bins_probe_is_update_policys_sgd_step
     model = _Linear(weight)
     model.weight.grad = torch.randn_like(weight)
     lopti.make_optimizer(model, cfg).step()
-    assert torch.equal(model.weight.detach(), weight - 1e-3 * model.weight.grad)
+    assert torch.equal(model.weight.detach(), torch.add(weight, model.weight.grad, alpha=-1e-3))  # p + (-lr) g
     model = _Linear(weight)
     grad = sum(g[0] for g in bin_gradients(cfg, model, model.logprobs, batch))
     update_policy(cfg, model.logprobs, lopti.make_optimizer(model, cfg), batch)
