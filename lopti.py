@@ -136,7 +136,7 @@ class Config:
     diagnose_every: int = 0
     """Log Figure 1 (measure_bins: 5 forwards, 4 backwards) before the update every this many steps (0 = off)."""
     measure_update: bool = True
-    """Log Figure 3 of every step's own update (update_counts: one no-grad forward after it), as the official code."""
+    """Log Figure 3 of every step's own update (update_counts: a no-grad forward after it; under bf16 two, fp32)."""
     output_dir: str = "runs/lopti"
     """Checkpoints, metrics.jsonl, samples.jsonl and config.json go here."""
     seed: int = 0
@@ -450,13 +450,14 @@ def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def update_counts(old_logprobs: torch.Tensor, new_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor) -> dict[str, list]:
+                  mask: torch.Tensor, bins: torch.Tensor | None = None) -> dict[str, list]:
     """Figure 3 as the official code records it at every step (verl/trainer/ppo/ray_trainer.py, plot_fig_type
     "prob_stat"): per pi_old bin, the tokens with A > 0 and with A < 0 (A before AR: its `old_advantages`), how many
     of them rose (A > 0) or fell (A < 0) from pi_old to pi after the step's whole update, and the mean change of pi
     per sign (None where a bin has no token). Counts, so that steps and runs pool by summing. Figure 3's ratio is
-    update/pos_rose / update/pos_tokens."""
-    masks, adv = bin_masks(old_logprobs, mask), _token_advantages(advantages, old_logprobs)  # (4, B, T), (B, T)
+    update/pos_rose / update/pos_tokens. `bins`: the log-probs that bin the tokens, if not old_logprobs."""
+    masks = bin_masks(old_logprobs if bins is None else bins, mask)  # (4, B, T)
+    adv = _token_advantages(advantages, old_logprobs)  # (B, T)
     rise, change = (new_logprobs - old_logprobs).sign(), new_logprobs.double().exp() - old_logprobs.double().exp()
     out = {}
     for sign, name, moved in ((1, "pos", "rose"), (-1, "neg", "fell")):
@@ -892,8 +893,9 @@ def plot_fig3(ax, table: dict) -> None:
     for i, (label, t) in enumerate(table.items()):
         x = [b - 0.4 + width * (i + 0.5) for b in range(4)]
         y = [math.nan if v is None else v for v in t["ratio"]]
-        err = [[v - lo if None not in (v, lo) else 0 for v, lo in zip(t["ratio"], t["low"])],
-               [hi - v if None not in (v, hi) else 0 for v, hi in zip(t["ratio"], t["high"])]] if "low" in t else None
+        err = None if "low" not in t else [  # (a percentile interval may exclude its point: no negative bar)
+            [max(0, v - lo) if None not in (v, lo) else 0 for v, lo in zip(t["ratio"], t["low"])],
+            [max(0, hi - v) if None not in (v, hi) else 0 for v, hi in zip(t["ratio"], t["high"])]]
         ax.bar(x, y, width, yerr=err, capsize=2, color=f"C{i}", label=label)
         if label.split(",")[0] in PAPER_FIGURES["pos_rose"]:
             ax.plot(x, PAPER_FIGURES["pos_rose"][label.split(",")[0]], "k_", ms=12, mew=2)
@@ -1757,7 +1759,9 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
         return _on_oom("update measurement", "--micro_batch_size (or --measure_update false)", batched_logprobs,
                        model, batch, cfg, device, needed, fp32)
 
+    t_before = time.perf_counter()
     before = fig3_pass() if fig3 and fp32 else batch["old_logprobs"]  # (B, C)
+    t_before = time.perf_counter() - t_before
     if device.type == "cuda":  # CUDA runs asynchronously: wait for the passes, or their time lands in the update's
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
@@ -1777,8 +1781,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
                     logprob_fn, optimizer, tensors) if optimizer else {}
     if fig3:  # (a step without advantages logs zeros)
         t4 = time.perf_counter()
-        stats.update(update_counts(before, fig3_pass(), batch["advantages"], batch["mask"]))
-        stats["time/measure"] = time.perf_counter() - t4  # (tolist() waited for a GPU; + "before" in time/logprobs)
+        stats.update(update_counts(before, fig3_pass(), batch["advantages"], batch["mask"], batch["old_logprobs"]))
+        stats["time/measure"] = time.perf_counter() - t4 + t_before  # (tolist() waited for a GPU)
     grouped = trained.view(-1, G)
     return {
         "reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -1788,7 +1792,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows: dict, 
         "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
         "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
         "learning_rate": cfg.learning_rate, **stats, **diag,
-        "time/rollout": t1 - t0, "time/logprobs": t2 - t1, **({"time/diagnose": t3 - t2} if measure else {}),
+        "time/rollout": t1 - t0, "time/logprobs": t2 - t1 - t_before, **({"time/diagnose": t3 - t2} if measure else {}),
         "gen_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9), "peak_memory_gb": peak_memory_gb(device),
         "samples": [{"reward": r, "completion": THINK_PREFIX + t}
                     for r, t in zip(rewards[:G].tolist(), batch["texts"])],
@@ -2175,7 +2179,9 @@ def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int 
         if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
             raise FileNotFoundError(f"fig3: {run} holds no metrics.jsonl and config.json; pass run folders of train")
         cfg = json.loads((run / "config.json").read_text())
-        label = _method(cfg) + (f", {run.name}" if per_run else "")
+        cfg, label = {**asdict(Config()), **cfg}, _method(cfg) + (f", {run.name}" if per_run else "")
+        if per_run and label in groups:
+            raise ValueError(f"fig3 --per_run: two runs are named {run.name}; pass folders with distinct names")
         steps = [r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r]
         if not steps:
             raise ValueError(f"fig3: {run} logged no update/ counts (runs of --engine trl or --measure_update false "
@@ -2193,10 +2199,11 @@ def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int 
         for _, run_steps in members:
             rose, n = (torch.tensor([r[f"update/{k}"] for r in run_steps], dtype=torch.float64) for k in (
                 "pos_rose", "pos_tokens"))  # (S, 4)
-            pick = torch.randint(len(run_steps), (resamples, len(run_steps)), generator=gen)  # (R, S)
-            boot.append(torch.stack([rose[pick].sum(1), n[pick].sum(1)]))  # (2, R, 4)
+            pick = torch.randint(len(run_steps), (resamples * len(members), len(run_steps)), generator=gen)  # (Rk, S)
+            boot.append(torch.stack([rose[pick].sum(1), n[pick].sum(1)]))  # (2, Rk, 4)
         runs_drawn = torch.randint(len(members), (resamples, len(members)), generator=gen)  # (R, k)
-        rose, n = torch.stack(boot)[runs_drawn, :, torch.arange(resamples)[:, None]].sum(1).unbind(1)  # (R, 4) each
+        slot = torch.arange(resamples * len(members)).view(resamples, -1)  # (R, k): each draw its own steps
+        rose, n = torch.stack(boot)[runs_drawn, :, slot].sum(1).unbind(1)  # (R, 4) each
         low, high = ((rose / n).nanquantile(q, dim=0).tolist() for q in (0.025, 0.975))  # (0/0: no token drawn)
         counts, measured = pool_update_counts(steps), sum(any(r["update/pos_tokens"]) for r in steps)
         table[label] = {"ratio": fig3_ratio(counts), "low": low, "high": high, "runs": len(members),

@@ -65,7 +65,7 @@ def test_under_bf16_the_measurement_is_fp32_and_agrees_with_an_independent_one(t
     b = seen["batch"]
     with torch.no_grad():
         old, new = (lopti.completion_logprobs(x, b, cfg.temperature) for x in (start, model))  # fp32: no autocast
-    expected = lopti.update_counts(old, new, b["advantages"], b["mask"])
+    expected = lopti.update_counts(old, new, b["advantages"], b["mask"], b["old_logprobs"])  # binned by pi_old
     assert sum(m["update/pos_rose"]) > 0 and all(m[k] == expected[k] for k in expected if "change" not in k), (
         m, expected)
     bf16 = lopti.update_counts(b["old_logprobs"], lopti.batched_logprobs(model, b, cfg, CPU), b["advantages"],
@@ -164,6 +164,12 @@ def test_fig3_intervals_labels_order_and_refusals(tmp_path, capsys):
     assert a["low"][3] >= 0.2 and a["high"][3] <= 0.8  # no resample leaves the steps' own range
     out = capsys.readouterr().out
     assert "A<0 tokens that fell: 1.000 | - | - | -" in out and "paper (K&K" in out
+    low_run = _synthetic_run(tmp_path / "x" / "s0", [([10, 0, 0, 10], [2, 0, 0, 2])] * 4, alpha=0.0)
+    high_run = _synthetic_run(tmp_path / "y" / "s1", [([10, 0, 0, 10], [8, 0, 0, 8])] * 4, alpha=0.0)
+    lopti_runs = lopti.figure_3([low_run, high_run], tmp_path / "h.png")["Lopti"]  # steps alike within a run:
+    assert lopti_runs["ratio"][0] == 0.5 and lopti_runs["low"][0] <= 0.25 and lopti_runs["high"][0] >= 0.75  # runs vary
+    with pytest.raises(ValueError, match="two runs are named s0"):
+        lopti.figure_3([low_run, _synthetic_run(tmp_path / "z" / "s0", same, alpha=0.0)], tmp_path / "h.png", True)
     other = _synthetic_run(tmp_path / "e", same, alpha=0.0, lopti=False, num_iterations=2)
     assert lopti.main(["fig3", str(runs[1]), str(other), "--out", str(tmp_path / "g.png")]) == 2
     err = capsys.readouterr().err
