@@ -2178,19 +2178,18 @@ def figure_3(runs: list[Path], out: Path, per_run: bool = False, resamples: int 
     for run in runs:
         if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
             raise FileNotFoundError(f"fig3: {run} holds no metrics.jsonl and config.json; pass run folders of train")
-        cfg = json.loads((run / "config.json").read_text())
-        cfg, label = {**asdict(Config()), **cfg}, _method(cfg) + (f", {run.name}" if per_run else "")
+        cfg = {**asdict(Config()), **json.loads((run / "config.json").read_text())}  # (fields added since: defaults)
+        label = _method(cfg) + (f", {run.name}" if per_run else "")
         if per_run and label in groups:
             raise ValueError(f"fig3 --per_run: two runs are named {run.name}; pass folders with distinct names")
         steps = [r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r]
         if not steps:
             raise ValueError(f"fig3: {run} logged no update/ counts (runs of --engine trl or --measure_update false "
                              "do not); train with the native engine")
-        for other, _ in groups.get(label, [])[:1]:
-            diff = [k for k in cfg.keys() | other.keys() if k not in same and cfg.get(k) != other.get(k)]
-            if diff:
-                raise ValueError(f"fig3: the {label} runs differ in {', '.join(sorted(diff))}; plot them apart or "
-                                 "add --per_run")
+        first = groups[label][0][0] if label in groups else cfg  # every run of a group is compared with its first
+        diff = sorted(k for k in cfg.keys() | first.keys() if k not in same and cfg.get(k) != first.get(k))
+        if diff:
+            raise ValueError(f"fig3: the {label} runs differ in {', '.join(diff)}; plot them apart or add --per_run")
         groups.setdefault(label, []).append((cfg, steps))
     table, gen, order = {}, torch.Generator().manual_seed(0), ("GRPO", "AR", "Lopti", "AR+Lopti")
     for label, members in sorted(groups.items(), key=lambda g: (order.index(g[0].split(",")[0]), g[0])):
