@@ -3,18 +3,18 @@
 Reference implementation of "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs" (Yang et al.,
 ICLR 2026, arXiv 2505.12929). Official code: github.com/zhyang2226/AR-Lopti (a fork of verl 0.1).
 
-    python lopti.py toy                    # Figure 3's mechanism on a toy softmax policy: CPU, seconds
-    python lopti.py train --preset cpu     # GRPO + AR + Lopti on Knights and Knaves with a Hugging Face LM
-    python lopti.py eval | diagnose | plot | fig3    # accuracy; Figures 1 and 3 of a real model; curves
+    python lopti.py toy                  # Figure 3's mechanism on a toy softmax policy, CPU, seconds
+    python lopti.py train --preset cpu   # GRPO + AR + Lopti on Knights and Knaves with a Hugging Face LM
+    python lopti.py eval | diagnose | fig3 | plot    # accuracy; Figures 1 and 3 of a model or runs; curves
 
-Read it top to bottom (grep -n '^# ===' lopti.py): config -> core maths -> the update (Algorithm 1) -> Figures 1
-and 3 -> toy -> Knights and Knaves -> the LLM run. A first read can stop at the TRL section.
+Sections (grep -n '^# ===' lopti.py): config -> core maths -> the update (Algorithm 1) -> Figures 1 and 3 -> toy
+-> Knights and Knaves -> the LLM run. A first read can stop at the TRL section.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import ast
+import collections
 import copy
 import dataclasses
 import functools
@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 
 @dataclass
 class Config:
-    """Every field is a flag (`--field value`); PRESETS change a few for smaller machines. Defaults are the paper's
-    K&K run (Qwen2.5-3B-Instruct, the official scripts/train_kklogic_*.sh); names shared with TRL's GRPOConfig keep
+    """Every field is a flag (--field value); PRESETS change a few for smaller machines. Defaults: the paper's K&K
+    run (Qwen2.5-3B-Instruct; the official scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig keep
     TRL's spelling (num_generations, epsilon, epsilon_high, beta, num_iterations, ...)."""
 
     # --- method
@@ -53,35 +53,35 @@ class Config:
     lopti: bool = True
     """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
     eta: float = 0.5
-    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official name: seperate_prob)."""
+    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official: seperate_prob)."""
     lopti_order: str = "low_first"
-    """'low_first' is the paper's method; 'high_first' is its ablation (worse than GRPO in the paper)."""
+    """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO in the paper)."""
     # --- PPO / GRPO update
     epsilon: float = 0.2
     """Lower clip range of the ratio."""
     epsilon_high: float = 0.24
     """Upper clip range of the ratio (the official K&K scripts clip asymmetrically)."""
     dual_clip: float = 10.0
-    """Dual-clip constant c for negative advantages (official code, verl's clip_ratio_c; not in the paper's text)."""
+    """Dual-clip constant for negative advantages (official code's clip_ratio_c; not in the paper's text)."""
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
     """Constant learning rate."""
     optimizer: str = "adamw"
-    """'adamw' (betas 0.9/0.999), or 'sgd' without momentum or decay (the paper's analysis figures: SGD, lr 1e-3)."""
+    """'adamw' (betas 0.9/0.999) or 'sgd', without momentum or decay (the paper's analysis: SGD, lr 1e-3)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip per optimiser step."""
     mini_batch_size: int = 256
-    """Responses per optimiser step (paper: 512 responses per RL step -> 2 optimiser steps per pass)."""
+    """Responses per optimiser step (paper: 512 responses per RL step, 2 optimiser steps per pass)."""
     micro_batch_size: int = 4
-    """Responses per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    """Responses per forward/backward; gradients accumulate over a mini-batch."""
     num_iterations: int = 1
     """PPO epochs over the rollout batch in each update pass (paper: 1)."""
     # --- rollout
     model: str = "Qwen/Qwen2.5-3B-Instruct"
-    """Hugging Face hub id or local folder of a causal LM with a chat template."""
+    """Hub id or local folder of a causal LM with a chat template."""
     prompts_per_step: int = 64
     """Prompts per RL step; each gets num_generations samples."""
     num_generations: int = 8
@@ -89,20 +89,20 @@ class Config:
     temperature: float = 0.7
     """Sampling temperature T; every log-prob is computed from logits / T."""
     max_completion_length: int = 4096
-    """Longest generated completion, in tokens."""
+    """Longest completion, in tokens."""
     generation_batch_size: int = 0
-    """Sequences per generate() call (0 = all at once); smaller bounds the KV cache's memory."""
+    """Sequences per generate() call (0: all at once); smaller bounds the KV cache's memory."""
     stop_at_answer: bool = False
     """End completions at their first '</answer>', as many K&K reproductions do (the paper's end at EOS)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the update's forward passes."""
     # --- task, reward and schedule
     prompt: str = "paper"
-    """System prompt: 'paper' (Logic-RL's, verbatim) or 'small' (no template text for a small model to copy)."""
+    """System prompt: 'paper' (Logic-RL's) or 'small' (no template text for a small model to copy)."""
     format_reward: float = 0.0
-    """Weight of kk_format_credit added to the training reward (0 = the paper's reward; metrics stay Logic-RL's)."""
+    """Weight of kk_format_credit in the training reward (0: the paper's reward; metrics stay Logic-RL's)."""
     train_data: str = "generate"
-    """'generate' (fresh puzzles), a .jsonl/.parquet file, or a hub dataset (see kk_load)."""
+    """'generate' (fresh puzzles), a .jsonl/.parquet file or a hub dataset (kk_load)."""
     num_people: str = "3-7"
     """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
     num_train: int = 4480
@@ -110,11 +110,11 @@ class Config:
     steps: int = 350
     """RL steps (paper: 5 data epochs)."""
     eval_data: str = "generate"
-    """'generate' (puzzles from a seed disjoint from training) or a file / hub dataset."""
+    """'generate' (puzzles from a seed disjoint from training's) or a file / hub dataset."""
     eval_size: int = 20
     """Generated evaluation puzzles per number of people."""
     eval_every: int = 50
-    """Evaluate every this many steps (0 = only at the end)."""
+    """Evaluate every this many steps (0: only at the end)."""
     eval_batch_size: int = 32
     """Prompts per greedy-generation batch in evaluation."""
     save_every: int = 50
@@ -122,35 +122,31 @@ class Config:
     measure_update: bool = True
     """Log Figure 3 of every step's own update (update_counts: one no-grad forward after the update)."""
     output_dir: str = "runs/lopti"
-    """The run's folder: config.json, metrics.jsonl, samples.jsonl and checkpoint-STEP/."""
+    """The run's folder: config.json, metrics.jsonl, samples.jsonl, checkpoint-STEP/."""
     seed: int = 0
     """Seeds data order, sampling and generated puzzles."""
 
-    def __post_init__(self):  # every value is checked here, before anything is loaded: main prints one line
+    def __post_init__(self):  # every value is checked here, before anything loads; main prints the error's one line
         for f in fields(self):
-            v, kind = getattr(self, f.name), {"float": (int, float), "int": int, "bool": bool, "str": str}[f.type]
-            bad_float = f.type == "float" and isinstance(v, kind) and not math.isfinite(v)
-            if not isinstance(v, kind) or (isinstance(v, bool) and f.type != "bool") or bad_float:
+            v = getattr(self, f.name)
+            if type(v) not in {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}[f.type] or (
+                    f.type == "float" and not math.isfinite(v)):
                 raise ValueError(f"{f.name} must be a finite {f.type}, got {v!r}")
         lo, hi = people_range(self.num_people)
-        batch = self.prompts_per_step * self.num_generations
-        checks = [(n, getattr(self, n) >= 0, ">= 0") for n in ("epsilon", "epsilon_high", "beta", "weight_decay",
-                                                               "format_reward", "generation_batch_size", "eval_every",
-                                                               "save_every", "seed")]
-        checks += [(n, getattr(self, n) >= 1, ">= 1") for n in ("micro_batch_size", "num_iterations", "num_train",
-                                                                "max_completion_length", "steps", "eval_size",
-                                                                "eval_batch_size", "prompts_per_step", "num_generations")]
-        checks += [("num_people", 2 <= lo <= hi <= 8, "'lo-hi' or one number within 2..8, e.g. '3-7'"),
-                   ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"), ("eta", 0 < self.eta <= 1, "in (0, 1]"),
-                   ("lopti_order", self.lopti_order in ("low_first", "high_first"), "'low_first' or 'high_first'"),
-                   ("optimizer", self.optimizer in ("adamw", "sgd"), "'adamw' or 'sgd'"),
-                   ("prompt", self.prompt in KK_SYSTEM_PROMPTS, f"one of {', '.join(KK_SYSTEM_PROMPTS)}"),
-                   ("dual_clip", self.dual_clip > 1, "> 1"), ("learning_rate", self.learning_rate > 0, "> 0"),
-                   ("temperature", self.temperature > 0, "> 0"), ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
-                   ("mini_batch_size", self.mini_batch_size >= 1 and batch % self.mini_batch_size == 0
-                    and self.mini_batch_size % self.micro_batch_size == 0,
-                    f"a divisor of prompts_per_step * num_generations ({batch}) and a multiple of micro_batch_size")]
-        for name, ok, allowed in checks:
+        B, mini = self.prompts_per_step * self.num_generations, self.mini_batch_size
+        rules = {**{n: (getattr(self, n) >= 0, ">= 0") for n in ("epsilon", "epsilon_high", "beta", "weight_decay",
+                    "format_reward", "generation_batch_size", "eval_every", "save_every", "seed")},
+                 **{n: (getattr(self, n) > 0, "> 0") for n in ("learning_rate", "temperature", "max_grad_norm",
+                    "micro_batch_size", "num_iterations", "num_train", "max_completion_length", "steps",
+                    "eval_size", "eval_batch_size", "prompts_per_step", "num_generations")},
+                 "alpha": (0 <= self.alpha <= 1, "in [0, 1]"), "eta": (0 < self.eta <= 1, "in (0, 1]"),
+                 "dual_clip": (self.dual_clip > 1, "> 1"), "num_people": (2 <= lo <= hi <= 8, "within 2..8"),
+                 "lopti_order": (self.lopti_order in ("low_first", "high_first"), "low_first or high_first"),
+                 "optimizer": (self.optimizer in ("adamw", "sgd"), "adamw or sgd"),
+                 "prompt": (self.prompt in KK_SYSTEM_PROMPTS, " or ".join(KK_SYSTEM_PROMPTS)),
+                 "mini_batch_size": (mini > 0 and B % mini == 0 and mini % self.micro_batch_size == 0,
+                                     f"a divisor of prompts_per_step * num_generations ({B}), x micro_batch_size")}
+        for name, (ok, allowed) in rules.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
@@ -164,79 +160,71 @@ def people_range(spec: str) -> tuple[int, int]:
 
 
 # ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split (Algorithm 1), the loss ======
-# Pure tensor functions. None mutates its inputs; each can be copied into another trainer with its test.
+# Pure tensor functions that never mutate their inputs: copy one into another trainer, with its test.
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) or (B, T) advantages as a float (B, T) view, for (B, T) per-token tensors like `like`."""
-    adv = advantages.float().unsqueeze(-1) if advantages.dim() == 1 else advantages.float()  # (B, 1) or (B, T)
-    return adv.expand(like.shape)  # (B, T)
+    """(B,) or (B, T) advantages as a float (B, T) view, for (B, T) tensors like `like`."""
+    return (advantages.float().unsqueeze(-1) if advantages.dim() == 1 else advantages.float()).expand(like.shape)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's outcome advantage, one value per response (official: compute_grpo_outcome_advantage):
+    """GRPO's outcome advantage, one per response (official: compute_grpo_outcome_advantage):
 
-        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)
+        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        std: unbiased, as the official code's
 
-    `rewards` is (B,) with the G = `group_size` responses of one prompt in consecutive rows. std is torch's unbiased
-    std, as in the official code. A group whose rewards are all equal gets A = 0 (not 0/eps noise); a group of one
-    gets mean 0, std 1, as in the official code.
+    `rewards` (B,) hold each prompt's G = `group_size` responses in consecutive rows. A group of equal rewards gets
+    A = 0 (not 0/eps noise); a group of one gets mean 0 and std 1, as in the official code.
     Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "rewards must be (B,), B a multiple of G"
     r = rewards.float().view(-1, group_size)  # (P, G)
     if group_size == 1:
-        return (r / (1.0 + eps)).view(-1)  # official: mean 0, std 1 for a single sample
+        return (r / (1.0 + eps)).view(-1)
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)  # (P, G)
-    all_equal = (r == r[:, :1]).all(1, keepdim=True)  # (P, 1)
-    return torch.where(all_equal, torch.zeros_like(adv), adv).view(-1)  # (B,)
+    return torch.where((r == r[:, :1]).all(1, keepdim=True), 0.0, adv).view(-1)  # (B,)
 
 
 def _chunk_logprobs(x: torch.Tensor, tokens: torch.Tensor, temperature: float, head) -> torch.Tensor:
     z = (x if head is None else head(x)).float() / temperature  # (n, V): one chunk of logits
-    top = z.detach().amax(-1, keepdim=True)  # (n, 1): a constant shift (its gradient would cancel)
-    log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (n,): log(1 + rest), the sum in fp64
+    top = z.detach().amax(-1, keepdim=True)  # (n, 1): a constant shift, whose gradient would cancel
+    log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (n,): log(1 + rest), summed in fp64
     return ((z.gather(-1, tokens.unsqueeze(-1)) - top).squeeze(-1) - log_sum).float()  # (n,)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
                    chunk_elems: int = 2**24, head: torch.nn.Linear | None = None) -> torch.Tensor:
-    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T); with `head` (an LM's
-    output layer), `logits` are the final hidden states (B, T, H) and z_t = head(h_t).
-    - Every log-prob (current, old, reference) uses the sampling temperature T, as the official actor does: scoring
-      softmax(z) while sampling softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
+    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32 for logits (B, T, V) and tokens (B, T); with `head` (an LM's
+    output layer), `logits` are final hidden states (B, T, H) and z_t = head(h_t).
+    - Every log-prob (current, old, reference) is taken at the sampling temperature T, as the official actor does:
+      sampling softmax(z / T) but scoring softmax(z) makes the first ratio != 1 and moves Lopti's split.
     - The softmax's sum is accumulated in fp64: for a token with pi near 1 it is 1 + a tiny rest, which fp32 rounds
-      to steps of 6e-8, so an update's change to such a token would read as "no change" (Figure 3's ties).
-    - With `head`, chunks of about `chunk_elems` logits, so the (B, T, V) logits never exist whole; under autograd
-      each chunk and its head are recomputed in the backward pass instead of being stored."""
+      in steps of 6e-8, so that an update's change to the token reads as none (Figure 3's ties).
+    - With `head`, chunks of about `chunk_elems` logits: the (B, T, V) logits never exist whole; under autograd a
+      chunk and its head are recomputed in the backward pass instead of being stored."""
     flat_x, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # (B*T, V or H), (B*T,)
     rows = max(1, chunk_elems // (logits.shape[-1] if head is None else head.out_features))
     recompute = head is not None and torch.is_grad_enabled()
     out = [checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
            for args in ((flat_x[i:i + rows], flat_tokens[i:i + rows], temperature, head)
-                        for i in range(0, flat_x.shape[0], rows))]
+                        for i in range(0, len(flat_x), rows))]
     return torch.cat(out).view(tokens.shape) if out else torch.zeros(tokens.shape, device=logits.device)  # (B, T)
 
 
 def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Advantage Reweighting, Eq. 4:
+    """Advantage Reweighting, Eq. 4, for (B,) or (B, T) advantages and (B, T) log pi_old at the sampling temperature:
 
         A_{i,t} <- (alpha * pi_old(o_{i,t}) + 1 - alpha) * A_{i,t}
 
-    `advantages` is (B,) (broadcast over tokens) or (B, T); `old_logprobs` is (B, T) log pi_old at the sampling
-    temperature. The weight is a constant: no gradient flows through it. alpha = 0 returns the advantages unchanged
-    (GRPO); paper: 0.3 on K&K, 0.1 on math. Applied to positive and negative advantages alike."""
-    pi_old = old_logprobs.detach().float().exp()  # (B, T)
-    return (alpha * pi_old + 1.0 - alpha) * _per_token(advantages, old_logprobs)  # (B, T)
+    The weight is a constant (no gradient), for positive and negative advantages alike; alpha = 0 is GRPO."""
+    return (alpha * old_logprobs.detach().float().exp() + 1 - alpha) * _per_token(advantages, old_logprobs)  # (B, T)
 
 
 def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest. Both (B, T) booleans
-    partition `mask` (padding is in neither); the split is made once per RL step and kept for both stages.
-    Example, eta = 0.5: pi_old = [[0.9, 0.2, 0.6, 1.0]], mask = [[1, 1, 1, 0]]
-        -> low = [[F, T, F, F]], high = [[T, F, T, F]]"""
-    mask = mask.bool()
-    low = mask & (old_logprobs.detach().float().exp() < eta)  # (B, T)
-    return low, mask & ~low
+    """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest; two (B, T) masks
+    that partition `mask`, made once per RL step for both stages.
+    Example, eta = 0.5: pi_old = [[0.9, 0.2, 0.6, 1.0]], mask = [[1, 1, 1, 0]] -> low [[F, T, F, F]], high [[T, F, T, F]]"""
+    low = mask.bool() & (old_logprobs.detach().float().exp() < eta)  # (B, T)
+    return low, mask.bool() & ~low
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -251,34 +239,32 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
         loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
 
-    All inputs are (B, T) (`advantages` may be (B,)). `num_tokens` defaults to mask.sum(); pass the whole mini-batch's
-    token count when this call sees one micro-batch, so that accumulation gives the gradient of one big batch, and
-    the full count in a Lopti stage: a stage is not renormalised over its own tokens, so the two stages' gradients
-    add up to GRPO's. The dual clip, the per-stage `kl_mask`, the token-mean (the paper's objective averages each
-    response with 1/|o_i| first) and the shared denominator are the official code's; the paper's text has none."""
+    Inputs are (B, T) (`advantages` may be (B,)). num_tokens defaults to mask.sum(); pass the whole mini-batch's
+    count for a micro-batch, so that accumulation gives one big batch's gradient, and the full count in a Lopti
+    stage: a stage is not renormalised over its own tokens, so the stages' gradients add up to GRPO's. The dual clip,
+    the per-stage `kl_mask`, the token-mean (the paper averages each response with 1/|o_i| first) and the shared
+    denominator are the official code's; the paper's text has none of them."""
     assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
     adv, mask = _per_token(advantages, logprobs), mask.bool()  # (B, T)
-    logprobs, old_logprobs = logprobs.float(), old_logprobs.float()
-    kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # never on padding
+    kl_mask = mask if kl_mask is None else kl_mask.bool() & mask
     denom = (mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)).clamp(min=1)
-
-    # Padding may hold garbage log-probs: zero the log-ratio there before exp (no NaN gradients). The clamp to
-    # [-20, 20] is upstream verl's (the official fork has none): past ~88 exp() overflows and gradients turn NaN.
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).clamp(-20, 20)  # (B, T)
+    # Padding may hold garbage log-probs: the log-ratio is 0 there before exp (no NaN gradient). The clamp is
+    # upstream verl's (the official fork has none): past ~88 exp() overflows and the gradient turns NaN.
+    log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0).clamp(-20, 20)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - epsilon, 1 + epsilon_high))  # (B, T)
-    pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)  # (B, T), the dual clip
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)  # (B, T): the dual clip
     loss = torch.where(mask, pg, 0.0).sum() / denom
-    kl_ref = torch.zeros_like(pg)
-    if ref_logprobs is not None:  # k3; official clamps: log-ratio to [-5, 5], KL to [-10, 10]
-        d = torch.where(kl_mask, ref_logprobs.float() - logprobs, 0.0).clamp(-5, 5)  # (B, T)
-        kl_ref = torch.where(kl_mask, (d.exp() - d - 1).clamp(-10, 10), 0.0)  # (B, T)
-        loss = loss + beta * kl_ref.sum() / denom
+    kl = torch.zeros_like(pg)
+    if ref_logprobs is not None:  # k3, with the official clamps: log-ratio to [-5, 5], KL to [-10, 10]
+        d = torch.where(kl_mask, ref_logprobs.float() - logprobs.float(), 0.0).clamp(-5, 5)  # (B, T)
+        kl = torch.where(kl_mask, (d.exp() - d - 1).clamp(-10, 10), 0.0)  # (B, T)
+        loss = loss + beta * kl.sum() / denom
     with torch.no_grad():  # 0-dim tensors: no GPU sync
         n = mask.sum().clamp(min=1)
         stats = {"clip_high": ((ratio > 1 + epsilon_high) & (adv > 0) & mask).sum() / n,
                  "clip_low": ((ratio < 1 - epsilon) & (adv < 0) & mask).sum() / n,
-                 "kl_ref": kl_ref.sum() / kl_mask.sum().clamp(min=1), "kl_old": -log_ratio.sum() / n}
+                 "kl_ref": kl.sum() / kl_mask.sum().clamp(min=1), "kl_old": -log_ratio.sum() / n}
     return loss, stats
 
 
@@ -286,30 +272,28 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the official scripts train (betas 0.9/0.999, constant lr); fused: the default keeps temporaries as
-    large as the parameters. Or plain SGD (cfg.optimizer), the paper's analysis setting: p <- p - lr * g."""
+    """AdamW as the official scripts train (betas 0.9/0.999, constant lr; fused: no parameter-sized temporaries),
+    or plain SGD, the paper's analysis setting: p <- p - lr * g."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.999),
-                             weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
 
 
 def rows_with_gradient(advantages: torch.Tensor, beta: float) -> torch.Tensor:
-    """(B,) bool: the rows whose loss can have a gradient: a non-zero advantage (taken before AR), or any row when
-    beta > 0 (its KL term). The others need no pi_old, no forward and no backward."""
+    """(B,) bool: rows whose loss has a gradient, a non-zero advantage (before AR) or any row when beta > 0 (the KL
+    term). The others need no pi_old, no forward and no backward."""
     return (advantages != 0).view(len(advantages), -1).any(1) | (beta > 0)
 
 
 def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optimizer: torch.optim.Optimizer,
                   batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One RL step's update: Advantage Reweighting (Eq. 4), then one GRPO pass or, with cfg.lopti, Lopti's two
-    complete passes (Algorithm 1). `batch` holds (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally
-    `ref_logprobs`, and whatever `logprob_fn(micro_batch)` needs to return the current (b, T) log-probs with
-    gradients. A pass walks the batch in mini-batches of cfg.mini_batch_size rows, one optimiser step each,
-    accumulating over micro-batches with the mini-batch's token count as the shared denominator. Stage 2 starts from
-    stage 1's weights and optimiser state, with the same pi_old and split. A row with no gradient in a pass is not
-    computed but still counts in the denominator, so the step is the one computed over every row (tested)."""
-    B, mask = batch["mask"].shape[0], batch["mask"].bool()
+    """One RL step's update: AR (Eq. 4), then one GRPO pass or, with cfg.lopti, Lopti's two complete passes
+    (Algorithm 1). `batch` holds (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and
+    what `logprob_fn(micro_batch)` needs to return the current (b, T) log-probs with gradients. A pass takes one
+    optimiser step per mini-batch, accumulating micro-batches over the mini-batch's token count. Stage 2 starts from
+    stage 1's weights and optimiser state, with the same pi_old and split. A row without gradient in a pass is not
+    computed but counts in the denominator: the step is the one over every row (tested)."""
+    B, mask = len(batch["mask"]), batch["mask"].bool()
     adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], cfg.alpha)  # (B, T): AR before Lopti
     stages = [("all", mask)]
     if cfg.lopti:
@@ -319,73 +303,68 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
     active = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T)
     weight = reweight_advantages(torch.ones(B, device=mask.device), batch["old_logprobs"], cfg.alpha)  # (B, T)
     out = {"ar_weight": float(weight[active].mean()) if active.any() else None}
-    for name, stage_mask in stages:
-        t0, in_pass = time.perf_counter(), (active & stage_mask).any(1).cpu()  # (B,) rows computed in this pass
+    for name, stage in stages:
+        t0, in_pass = time.perf_counter(), (active & stage).any(1).cpu()  # (B,): the rows computed in this pass
         sums, losses, norms = dict.fromkeys(("clip_high", "clip_low", "kl_ref", "kl_old"), 0.0), [], []
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
                 rows = torch.arange(start, min(start + cfg.mini_batch_size, B))
-                todo = rows[in_pass[rows]]
-                if len(todo) == 0:  # no gradient: no step (our choice; the official code steps on a zero gradient,
-                    continue  # which still moves the weights through AdamW's momentum and decay)
-                n = mask[rows].sum()  # the whole mini-batch's tokens, in both stages (verl: per micro-batch means)
+                if not in_pass[rows].any():  # no gradient, no step (the official code steps, and AdamW's
+                    continue  # momentum and decay would still move the weights)
+                n = mask[rows].sum()  # the mini-batch's tokens, in both stages (verl: a mean per micro-batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for micro in todo.split(cfg.micro_batch_size):
+                for micro in rows[in_pass[rows]].split(cfg.micro_batch_size):
                     sub = {k: v[micro] for k, v in batch.items()}
                     loss, stats = policy_loss(
-                        logprob_fn(sub), sub["old_logprobs"], adv[micro] * stage_mask[micro], mask[micro],
+                        logprob_fn(sub), sub["old_logprobs"], adv[micro] * stage[micro], mask[micro],
                         epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip, beta=cfg.beta,
-                        ref_logprobs=sub.get("ref_logprobs"), kl_mask=stage_mask[micro], num_tokens=n)
+                        ref_logprobs=sub.get("ref_logprobs"), kl_mask=stage[micro], num_tokens=n)
                     loss.backward()
                     loss_sum += loss.detach()
-                    for k, v in stats.items():  # token-weighted sums (tensors: no GPU sync)
-                        sums[k] = sums[k] + v * (stage_mask[micro] if k == "kl_ref" else mask[micro]).sum()
+                    for k, v in stats.items():  # token-weighted sums, tensors (no GPU sync)
+                        sums[k] = sums[k] + v * (stage[micro] & mask[micro] if k == "kl_ref" else mask[micro]).sum()
                 norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-                if not math.isfinite(norm):  # a NaN/inf step would corrupt the weights for good: skip it
-                    optimizer.zero_grad(set_to_none=True)
-                    continue
-                optimizer.step()
-                norms.append(norm)
-                losses.append(float(loss_sum))
-        tokens = float((mask & in_pass[:, None].to(mask.device)).sum()), float((stage_mask & active).sum())
+                if math.isfinite(norm):  # a NaN/inf step would corrupt the weights for good: skipped
+                    optimizer.step()
+                    norms.append(norm)
+                    losses.append(float(loss_sum))
+        tokens = float((mask & in_pass[:, None].to(mask.device)).sum()), float((stage & active).sum())
         out.update({f"{name}/{k}": float(v) / max(tokens[k == "kl_ref"], 1.0) for k, v in sums.items()})
         out.update({f"{name}/loss": sum(losses) / max(len(losses), 1), f"{name}/grad_norm": sum(norms) /
-                    max(len(norms), 1), f"{name}/token_share": tokens[1] / float(active.sum()) if active.any() else None,
+                    max(len(norms), 1), f"{name}/token_share": tokens[1] / max(float(active.sum()), 1.0),
                     f"time/update_{name}": time.perf_counter() - t0})
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return out
 
 
-# ====== Figures 1 and 3 per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
-# Figure 3 (the paper's central claim): after an update, the share of A > 0 tokens whose probability rose. Logged for
-# every training step's own update (update_counts), and paired: every method's update from one state (paired_counts).
-# Figure 1: token shares and per-bin gradient norms of one batch (measure_bins).
+# ====== Figures 1 and 3, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
+# Figure 3, the paper's central claim: after an update, the share of A > 0 tokens whose probability rose. Logged for
+# every training step's own update (update_counts) and paired, every method's update from one state (paired_counts).
+# Figure 1: per-bin token shares and gradient norms of one batch (measure_bins).
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
-PAPER_FIGURES = {  # the paper's GRPO run on K&K (Qwen2.5-7B-Instruct-1M): Figure 1 (a) and (d), Figure 3
+PAPER_FIGURES = {  # the paper's K&K runs (Qwen2.5-7B-Instruct-1M): Figure 1 (a) and (d) of GRPO, Figure 3
     "token_share": [0.1922, 0.1015, 0.1009, 0.6054], "grad_norm": {"bins": [0.71, 0.36, 0.24, 0.15], "all": 0.82},
     "pos_rose": {"grpo": [0.530, 0.514, 0.501, 0.497], "ar": [0.520, 0.525, 0.530, 0.526],
                  "lopti": [0.524, 0.517, 0.512, 0.534]}}
-UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")  # update/..., 4 bins each
+UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")  # update/...: 4 bins
 METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti": dict(alpha=0.0, lopti=True),
-           "ar_lopti": dict(lopti=True), "grpo_2_epochs": dict(alpha=0.0, lopti=False),  # (+ the epochs: method_config)
+           "ar_lopti": dict(lopti=True), "grpo_2_epochs": dict(alpha=0.0, lopti=False),  # (2 epochs: method_config)
            "lopti_high_first": dict(alpha=0.0, lopti=True, lopti_order="high_first")}  # the paper's ablation
 
 
 def method_config(cfg: Config, method: str) -> Config:
     """`cfg` switched to a method of METHODS; AR's alpha is cfg's, or the paper's if cfg's is 0. 'grpo_2_epochs' runs
-    twice cfg's epochs: as many passes as Lopti, the compute-matched control."""
+    twice cfg's epochs, Lopti's number of passes: the compute-matched control."""
     extra = {"num_iterations": 2 * cfg.num_iterations} if method == "grpo_2_epochs" else {}
     return dataclasses.replace(cfg, **{"alpha": cfg.alpha or Config.alpha, "lopti_order": "low_first",
                                        **METHODS[method], **extra})
 
 
-def method_name(cfg: Config | dict) -> str:
-    """The METHODS key of a run's settings: grpo, ar, lopti or ar_lopti."""
-    c = cfg if isinstance(cfg, dict) else asdict(cfg)
-    return {(False, False): "grpo", (True, False): "ar", (False, True): "lopti", (True, True): "ar_lopti"}[
-        (c["alpha"] > 0, c["lopti"])]
+def method_name(cfg: dict) -> str:
+    """The method of a run's settings (config.json): grpo, ar, lopti or ar_lopti."""
+    return {(0, 0): "grpo", (1, 0): "ar", (0, 1): "lopti", (1, 1): "ar_lopti"}[(cfg["alpha"] > 0, cfg["lopti"])]
 
 
 def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -397,13 +376,11 @@ def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def update_counts(before: torch.Tensor, after: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   old_logprobs: torch.Tensor | None = None) -> dict[str, list[int]]:
     """Figure 3 as the official code records it every step (verl/trainer/ppo/ray_trainer.py, plot_fig_type
-    "prob_stat"): per pi_old bin, the tokens with A > 0 and how many of them rose or fell from `before` to `after`
-    (log-probs of one pass, so an unmoved token compares equal), and the tokens with A < 0 and how many fell or rose.
-    The rest of a bin are ties. A is taken before AR. Counts, so that steps and runs pool by summing. Bins by
-    `old_logprobs` (training's pi_old) if given, else by `before`."""
+    "prob_stat"): per bin, the A > 0 tokens and how many rose or fell from `before` to `after` (log-probs of one
+    pass, so that an unmoved token compares equal), the A < 0 tokens and how many fell or rose; the rest are ties.
+    A is taken before AR. Counts: steps and runs pool by summing. Binned by old_logprobs if given, else `before`."""
     masks = bin_masks(before if old_logprobs is None else old_logprobs, mask)  # (4, B, T)
-    adv, move = _per_token(advantages, before), (after - before).sign()  # (B, T), (B, T)
-    out = {}
+    adv, move, out = _per_token(advantages, before), (after - before).sign(), {}  # (B, T), (B, T)
     for sign, name, good, bad in ((1, "pos", "rose", "fell"), (-1, "neg", "fell", "rose")):
         m = masks & (adv.sign() == sign)  # (4, B, T)
         out[f"update/{name}_tokens"] = m.sum((1, 2)).tolist()
@@ -413,14 +390,14 @@ def update_counts(before: torch.Tensor, after: torch.Tensor, advantages: torch.T
 
 
 def pool_counts(records: list[dict]) -> dict[str, list[int]]:
-    """update_counts of several steps or runs (metrics lines, 'update/' keys) summed per bin."""
-    return {f"update/{k}": [sum(r[f"update/{k}"][b] for r in records if f"update/{k}" in r) for b in range(4)]
+    """update_counts of several steps or runs (metrics lines without them count 0), summed per bin."""
+    return {f"update/{k}": [sum(r.get(f"update/{k}", [0] * 4)[b] for r in records) for b in range(4)]
             for k in UPDATE_KEYS}
 
 
 def figure3_shares(c: dict) -> dict[str, list]:
-    """From pooled counts, per bin: Figure 3's share of A > 0 tokens that rose, the share among those that moved
-    (ties left out), and the tie share (None for an empty bin)."""
+    """From (pooled) counts, per bin: Figure 3's share of A > 0 tokens that rose, that share among the tokens that
+    moved, and the tie share (None for an empty bin)."""
     n, rose, fell = c["update/pos_tokens"], c["update/pos_rose"], c["update/pos_fell"]
     div = lambda a, b: [x / y if y else None for x, y in zip(a, b)]  # noqa: E731
     moved = [r + f for r, f in zip(rose, fell)]
@@ -429,92 +406,57 @@ def figure3_shares(c: dict) -> dict[str, list]:
 
 def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, logprob_fn: Callable,
                   batch: dict, measure: Callable[[], torch.Tensor], before: torch.Tensor, methods) -> dict[str, dict]:
-    """Figure 3 paired: each method's whole update (method_config; both Lopti stages, every mini-batch, with cfg's
-    optimiser) applied from the same weights, optimiser state and batch, measured by update_counts against
-    `before` with `measure()` (the same no-grad pass as `before`), then the weights and optimiser state restored bit
-    for bit. Differences between methods are then the methods', not the batches' or the trajectories'."""
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    state = copy.deepcopy(optimizer.state_dict())
-    out = {}
+    """Figure 3 paired: each method's whole update (method_config: every Lopti stage and mini-batch, cfg's optimiser)
+    from the same weights, optimiser state and batch, measured by update_counts (`measure()`: the pass that gave
+    `before`), after which weights and optimiser state are restored bit for bit. A difference between two methods is
+    then theirs, not their batches' or trajectories'."""
+    weights, state, out = {k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(optimizer.state_dict()), {}
     for m in methods:
         update_policy(method_config(cfg, m), logprob_fn, optimizer, batch)
         out[m] = update_counts(before, measure(), batch["advantages"], batch["mask"], batch["old_logprobs"])
         model.load_state_dict(weights)
-        optimizer.load_state_dict(copy.deepcopy(state))  # (load_state_dict keeps the tensors it is given)
+        optimizer.load_state_dict(copy.deepcopy(state))  # (it keeps the tensors it is given)
     return out
 
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
-    """From paired_counts of several steps (or per-seed sums of them): per method and bin, the difference of its
-    share of A > 0 tokens that rose from the reference method's (the same tokens: one batch per unit), with a 95 %
-    percentile bootstrap over the units; 'resolved' where that interval excludes 0."""
+    """From paired_counts of several units (steps, or each seed's summed steps), per method and bin: its share of
+    A > 0 tokens that rose minus the reference's (the same tokens in each unit), with a 95 % percentile bootstrap
+    over the units; 'resolved' where that interval excludes 0."""
     n = torch.tensor([u[reference]["update/pos_tokens"] for u in units], dtype=torch.float64)  # (U, 4)
     pick = torch.randint(len(units), (resamples, len(units)), generator=torch.Generator().manual_seed(0))  # (R, U)
     out = {}
-    for m in (m for m in units[0] if m != reference):
+    for m in [m for m in units[0] if m != reference]:
         d = torch.tensor([[a - b for a, b in zip(u[m]["update/pos_rose"], u[reference]["update/pos_rose"])]
                           for u in units], dtype=torch.float64)  # (U, 4)
         lo, hi = ((d[pick].sum(1) / n[pick].sum(1)).nanquantile(q, 0).tolist() for q in (0.025, 0.975))
-        delta = [None if k == 0 else float(v / k) for v, k in zip(d.sum(0), n.sum(0))]
+        delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         out[m] = {"delta": delta, "ci95": [[a, b] if x is not None else None for a, b, x in zip(lo, hi, delta)],
                   "resolved": [x is not None and (a > 0 or b < 0) for a, b, x in zip(lo, hi, delta)]}
     return out
 
 
-def bin_gradients(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> list[list[torch.Tensor]]:
-    """Figure 1 (d): per bin, the gradient of GRPO's policy_loss (no AR, no KL) at pi = pi_old with only that bin's
-    advantages kept; token-mean over the whole batch, so (the loss is linear in A at ratio 1) they add up to the
-    all-token gradient. One forward per micro-batch, four backwards."""
+def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> dict:
+    """Figure 1 (a) and (d) on one scored batch (update_policy's): per bin, the share of the response tokens (and of
+    those with A != 0), and the norm of GRPO's gradient (no AR, no KL) at pi = pi_old with only that bin's
+    advantages kept ("all": every token's). The loss is linear in A at ratio 1, so the bins' gradients add up to the
+    all-token one. pi_old is logprob_fn's own forward, so the ratio is exactly 1 in any precision."""
     params, mask = [p for p in model.parameters() if p.requires_grad], batch["mask"].bool()
-    masks, n = bin_masks(batch["old_logprobs"], mask), mask.sum()
+    masks, n = bin_masks(batch["old_logprobs"], mask), mask.sum()  # (4, B, T)
     grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
     rows = rows_with_gradient(batch["advantages"], 0.0).nonzero().squeeze(1).cpu()
     for micro in rows.split(cfg.micro_batch_size) if len(rows) else ():
         sub = {k: v[micro] for k, v in batch.items()}
         logp = logprob_fn(sub)  # (b, T)
         for b in range(4):
-            loss, _ = policy_loss(logp, sub["old_logprobs"], _per_token(sub["advantages"], logp) * masks[b][micro],
-                                  mask[micro], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, num_tokens=n)
+            loss, _ = policy_loss(logp, logp.detach(), _per_token(sub["advantages"], logp) * masks[b][micro],
+                                  mask[micro], num_tokens=n)
             for g, d in zip(grads[b], torch.autograd.grad(loss, params, retain_graph=b < 3, materialize_grads=True)):
                 g += d
-    return grads
-
-
-def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict, sgd_lr: float = 1e-3) -> dict:
-    """Figure 1 on one scored batch (update_policy's `batch`), per bin: token_share (of all response tokens, and of
-    those with A != 0), grad_norm (bin_gradients'; "all": of their sum) and prob_change: the mean and spread of
-    pi_new - pi_old after one SGD step at `sgd_lr` (the paper's analysis setting) along GRPO's gradient of all
-    tokens, of only the lowest bin, of only the highest. pi_old is logprob_fn's own (ratio exactly 1, one precision
-    before and after); the weights are restored bit for bit after every probe."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.detach().clone() for p in params]
-
-    @torch.no_grad()
-    def logprobs_now() -> torch.Tensor:  # (B, T)
-        parts = [logprob_fn({k: v[r] for k, v in batch.items()}) for r in
-                 torch.arange(len(batch["mask"])).split(cfg.micro_batch_size)]
-        return torch.cat(parts).float()
-
-    batch = {**batch, "old_logprobs": logprobs_now()}
-    mask, adv = batch["mask"].bool(), _per_token(batch["advantages"], batch["mask"])
-    masks = bin_masks(batch["old_logprobs"], mask)
-    share = lambda m: [float((k & m).sum() / m.sum()) if m.any() else None for k in masks]  # noqa: E731
     norm = lambda gs: math.sqrt(sum(float(g.double().square().sum()) for g in gs))  # noqa: E731
-    grads = bin_gradients(cfg, model, logprob_fn, batch)
-    grads.append([sum(gs) for gs in zip(*grads)])  # all tokens
-    out = {"token_share": {"all": share(mask), "nonzero_advantage": share(mask & (adv != 0))},
-           "grad_norm": {"bins": [norm(g) for g in grads[:4]], "all": norm(grads[4])}, "prob_change": {}}
-    for name, grad in (("all", grads[4]), ("lowest_only", grads[0]), ("highest_only", grads[3])):
-        with torch.no_grad():
-            torch._foreach_add_(params, grad, alpha=-sgd_lr)
-        change = logprobs_now().exp() - batch["old_logprobs"].exp()  # (B, T)
-        out["prob_change"][name] = {stat: [float(f(change[k])) if k.any() else None for k in masks] for stat, f in
-                                    (("mean", torch.mean), ("std", lambda x: x.std(correction=0)))}
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
-    return out
-
+    share = lambda m: [float((k & m).sum() / m.sum()) if m.any() else None for k in masks]  # noqa: E731
+    return {"token_share": {"all": share(mask), "nonzero_advantage": share(mask & (_per_token(batch["advantages"],
+            mask) != 0))}, "grad_norm": {"bins": [norm(g) for g in grads], "all": norm([sum(g) for g in zip(*grads)])}}
 
 
 def pyplot():
@@ -523,10 +465,9 @@ def pyplot():
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        return plt
     except ImportError:
         print("matplotlib is not installed: no PNG")
-        return None
-    return plt
 
 
 def save_png(plt, fig, path: Path) -> None:
@@ -536,53 +477,40 @@ def save_png(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
-def _bars(ax, table: dict[str, list], offset: int = 0) -> list[list[float]]:
-    """Grouped bars per bin, one colour per entry of `table` ({label: 4 values}); returns the bars' x positions."""
-    width, xs = 0.8 / len(table), []
+def plot_bars(ax, table: dict[str, list], title: str, intervals: dict[str, list] | None = None) -> None:
+    """Grouped bars per bin, a colour per entry of `table` ({label: 4 values}), with 95 % `intervals` if given and
+    the paper's Figure 3 as black markers where a label is one of its methods."""
+    width = 0.8 / len(table)
     for i, (label, ys) in enumerate(table.items()):
-        xs.append([b - 0.4 + width * (i + 0.5) for b in range(4)])
-        ax.bar(xs[-1], [math.nan if y is None else y for y in ys], width, color=f"C{i + offset}", label=label)
-    ax.set(xticks=range(4), xticklabels=BIN_NAMES)
-    return xs
-
-
-def plot_fig3(ax, rose: dict[str, list], title: str) -> None:
-    """Figure 3 as the paper draws it, {method or run: 4 shares}, with the paper's values as black markers."""
-    for x, label in zip(_bars(ax, rose), rose):
-        if label.split(",")[0] in PAPER_FIGURES["pos_rose"]:
-            ax.plot(x, PAPER_FIGURES["pos_rose"][label.split(",")[0]], "k_", ms=10, mew=2)
-    ax.plot([], [], "k_", ms=10, mew=2, label="paper (K&K, Qwen2.5-7B)")
-    ax.axhline(0.5, c="gray", lw=0.5)
-    ax.set(title=f"Fig. 3: share of A>0 tokens whose pi rose\n{title}", ylim=(0.3, 1))
+        x = [b - 0.4 + width * (i + 0.5) for b in range(4)]
+        y = [math.nan if v is None else v for v in ys]
+        ci = (intervals or {}).get(label)
+        err = None if ci is None else [[max(0, v - c[0]) if c else 0 for v, c in zip(y, ci)],
+                                       [max(0, c[1] - v) if c else 0 for v, c in zip(y, ci)]]
+        ax.bar(x, y, width, yerr=err, capsize=2, color=f"C{i}", label=label)
+        if intervals is None and label in PAPER_FIGURES["pos_rose"]:
+            ax.plot(x, PAPER_FIGURES["pos_rose"][label], "k_", ms=10, mew=2)
+    ax.axhline(0.5 if intervals is None else 0, c="gray", lw=0.5)
+    ax.set(title=title, xticks=range(4), xticklabels=BIN_NAMES)
     ax.legend(fontsize=7)
 
 
-def plot_paired(ax, paired: dict[str, dict]) -> None:
-    """paired_deltas: each method's difference from GRPO per bin, with its 95 % interval."""
-    for x, d in zip(_bars(ax, {m: d["delta"] for m, d in paired.items()}, offset=1), paired.values()):
-        lo = [max(0.0, v - c[0]) if c else 0.0 for v, c in zip(d["delta"], d["ci95"])]
-        hi = [max(0.0, c[1] - v) if c else 0.0 for v, c in zip(d["delta"], d["ci95"])]
-        ax.errorbar(x, [math.nan if v is None else v for v in d["delta"]], yerr=[lo, hi], fmt="none", c="k", lw=1)
-    ax.axhline(0, c="k", lw=0.5)
-    ax.set(title="paired: share rose minus GRPO's, same state and batch (95 % interval)")
-    ax.legend(fontsize=7)
-
-# ====== Toy: Figure 3's mechanism on a linear softmax policy (Prop. 4.2, Figures 1 and 3) ======
-# V = 1,024 tokens; logits_t = W x_t + b_t, where W (V x d) is the only trained weight, shared by every context as an
-# LLM's output layer is, and x_t a fixed random recurrent feature of the whole history (prefixes rarely repeat). b_t:
-# a fixed "pretrained" bias s on one bigram token, s in [4, 11] per previous token, so sampled tokens' probabilities
-# are U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all equal the prompt's target, the
-# *second* most likely token there); the rest are "format" tokens, alike in right and wrong responses. The update is
-# update_policy, Figure 3 update_counts and paired_counts, Figure 1 measure_bins: the toy only supplies a policy,
-# a task and a reward. Design and prediction, written before the first run: toy/README.md.
+# ====== Toy: Figure 3's mechanism on a linear softmax policy ======
+# V = 1,024 tokens; logits_t = W x_t + b_t. W (V x d), the only trained weight, is shared by every context as an
+# LLM's output layer is; x_t is a fixed random recurrent feature of the whole history, so prefixes rarely repeat;
+# b_t, a fixed "pretrained" bias s (4..11 by previous token) on one bigram token, makes the sampled tokens'
+# probabilities U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all equal the prompt's
+# target, there the *second* most likely token); the rest are "format" tokens, alike in right and wrong responses.
+# The toy only supplies a policy, a task and a reward; the update and the measurements are the ones above.
+# Design and prediction, written before the first run: toy/README.md.
 
 
 @dataclass(frozen=True)
 class ToySettings:
-    seed: int = 0  # seed i of `seeds` runs its own random task (policy, targets) and samples: seed + i
+    seed: int = 0  # run i of `seeds` has its own random task and samples: seed + i
     seeds: int = 5  # trajectories per method
     steps: int = 15  # RL steps per trajectory
-    optimizer: str = "adamw"  # or "sgd" (the paper's analysis setting)
+    optimizer: str = "adamw"  # or "sgd"
     learning_rate: float = 1e-2
     alpha: float = 0.3
     eta: float = 0.5
@@ -592,26 +520,26 @@ class ToySettings:
     group: int = 8
     length: int = 8  # tokens per response
     decisions: int = 2  # the first tokens, which decide the reward
-    target_gap: float = 0.5  # a decision target's bias is the bigram token's minus this
+    target_gap: float = 0.5  # a target's bias is the bigram token's minus this
 
 
-TOY_QUICK = dict(seeds=2, steps=6)  # toy --quick: a smoke test of every part
+TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
 TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
 TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # probed along GRPO's trajectories
 
 
 class ToyPolicy(torch.nn.Module):
-    """logits_t = W x_t + b_t. Only W is trained, so a rollout's contexts x and biases b are computed once (sample)
-    and every later pass over it is one matmul."""
+    """logits_t = W x_t + b_t. Only W is trained, so a rollout's contexts and biases are computed once (sample) and
+    every pass over it is one matmul."""
 
     def __init__(self, s: ToySettings, seed: int):
         super().__init__()
         g, V, d = torch.Generator().manual_seed(seed), s.vocab, s.dim
-        self.W = torch.nn.Parameter(torch.randn(V, d, generator=g))  # the trained output weights, shared
-        self.A = torch.linalg.qr(torch.randn(d, d, generator=g))[0] * 0.5  # fixed recurrence of the context
+        self.W = torch.nn.Parameter(torch.randn(V, d, generator=g))
+        self.A = torch.linalg.qr(torch.randn(d, d, generator=g))[0] * 0.5  # the context's fixed recurrence
         self.F = torch.randn(V, d, generator=g)  # fixed input features of tokens (a prompt is a token id too)
         self.bigram, self.strength = torch.randint(V, (V,), generator=g), 4 + 7 * torch.rand(V, generator=g)
-        self.target = torch.randint(V, (s.prompts, s.decisions), generator=g)  # the right answer of each prompt
+        self.target = torch.randint(V, (s.prompts, s.decisions), generator=g)  # each prompt's right answer
         self.s = s
 
     def forward(self, x: torch.Tensor, bias_at: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -620,104 +548,70 @@ class ToyPolicy(torch.nn.Module):
 
     @torch.no_grad()
     def sample(self, prompts: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """Responses (B, T) to `prompts` (B,) with their contexts and biases."""
-        x, prev, out = torch.zeros(len(prompts), self.s.dim), prompts, {"tokens": [], "x": [], "at": [], "b": []}
+        """Responses (B, T) to `prompts` (B,), with their contexts and biases."""
+        x, prev, out = torch.zeros(len(prompts), self.s.dim), prompts, collections.defaultdict(list)
         for t in range(self.s.length):
             x = torch.tanh(self.F[prev] + x @ self.A.T)
             x = x / x.norm(dim=-1, keepdim=True)  # (B, d)
             at = torch.stack([self.bigram[prev], self.target[prompts, min(t, self.s.decisions - 1)]], 1)  # (B, 2)
-            gap = self.s.target_gap if t < self.s.decisions else math.inf  # the target's bias: decisions only
+            gap = self.s.target_gap if t < self.s.decisions else math.inf  # (a target only where it decides)
             b = torch.stack([self.strength[prev], (self.strength[prev] - gap).clamp(min=0)], 1)  # (B, 2)
-            logits = (x @ self.W.T).scatter_add(-1, at, b)  # (B, V)
-            gumbel = -torch.rand(logits.shape, generator=gen).log().neg().log()  # (B, V): argmax samples softmax
-            prev = (logits + gumbel).argmax(-1)  # (B,)
-            for k, v in zip(out, (prev, x, at, b)):
+            gumbel = -torch.rand(len(prompts), self.s.vocab, generator=gen).log().neg().log()  # argmax samples
+            prev = ((x @ self.W.T).scatter_add(-1, at, b) + gumbel).argmax(-1)  # (B,)
+            for k, v in (("tokens", prev), ("x", x), ("bias_at", at), ("bias", b)):
                 out[k].append(v)
-        tokens, x, at, b = (torch.stack(v, 1) for v in out.values())
-        return {"tokens": tokens, "x": x, "bias_at": at, "bias": b}
+        return {k: torch.stack(v, 1) for k, v in out.items()}
 
 
 def toy_logprobs(net: ToyPolicy, batch: dict) -> torch.Tensor:
-    return token_logprobs(net(batch["x"], batch["bias_at"], batch["bias"]), batch["tokens"])  # (B, T), at T = 1
+    return token_logprobs(net(batch["x"], batch["bias_at"], batch["bias"]), batch["tokens"])  # (B, T), T = 1
 
 
 def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Algorithm 1, lines 3-5: G samples per prompt, outcome rewards, group advantages, pi_old by a no-grad pass."""
-    s = net.s
-    prompts = torch.arange(s.prompts).repeat_interleave(s.group)  # (B,)
+    prompts = torch.arange(net.s.prompts).repeat_interleave(net.s.group)  # (B,)
     batch = net.sample(prompts, gen)
-    rewards = (batch["tokens"][:, :s.decisions] == net.target[prompts]).all(1).float()  # (B,)
+    rewards = (batch["tokens"][:, :net.s.decisions] == net.target[prompts]).all(1).float()  # (B,)
     batch.update(mask=torch.ones_like(batch["tokens"], dtype=torch.bool), rewards=rewards,
-                 advantages=group_advantages(rewards, s.group))
+                 advantages=group_advantages(rewards, net.s.group))
     with torch.no_grad():
         batch["old_logprobs"] = toy_logprobs(net, batch)
     return batch
 
 
 def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
-    """One trajectory of `method` on seed `seed`'s task: rewards, the own update's counts per step and, if `paired`,
-    those methods' paired_counts at every step (the own method's entry is its own update's counts)."""
-    net, gen = ToyPolicy(s, seed), torch.Generator().manual_seed(seed)
-    B = s.prompts * s.group
+    """A trajectory of `method` on seed `seed`'s task: the reward and the own update's counts per step and, for
+    `paired` methods, their paired_counts at every step (with the own update's counts under `method`)."""
+    net, gen, B = ToyPolicy(s, seed), torch.Generator().manual_seed(seed), s.prompts * s.group
     cfg = method_config(Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
                                beta=0.0, temperature=1.0, num_generations=s.group, prompts_per_step=s.prompts,
-                               mini_batch_size=B // 2, micro_batch_size=B // 2), method)
-    opt, logprob_fn = make_optimizer(net, cfg), lambda b: toy_logprobs(net, b)
-    measure = torch.no_grad()(lambda: toy_logprobs(net, batch))
+                               mini_batch_size=B // 2, micro_batch_size=B // 2), method)  # 2 steps a pass
+    opt, logprob_fn = make_optimizer(net, cfg), functools.partial(toy_logprobs, net)
     out = {"reward": [], "counts": [], "paired": []}
     for _ in range(s.steps):
         batch = toy_rollout(net, gen)
-        out["reward"].append(float(batch["rewards"].mean()))
-        probes = paired_counts(cfg, net, opt, logprob_fn, batch, measure, batch["old_logprobs"], paired) if paired else {}
+        measure = torch.no_grad()(functools.partial(toy_logprobs, net, batch))
+        probes = paired_counts(cfg, net, opt, logprob_fn, batch, measure, batch["old_logprobs"], paired)
         update_policy(cfg, logprob_fn, opt, batch)
+        out["reward"].append(float(batch["rewards"].mean()))
         out["counts"].append(update_counts(batch["old_logprobs"], measure(), batch["advantages"], batch["mask"]))
         out["paired"].append({method: out["counts"][-1], **probes})
     return out
 
 
-def toy_bound(net: ToyPolicy, batch: dict) -> dict:
-    """Prop. 4.2 on the toy's sampled tokens: ||grad_z log pi_j|| = ||e_j - pi|| against (1 - pi_j), in fp64, with
-    1 - pi_j summed over the other tokens (1 - pi_j itself loses the digits near 1)."""
-    with torch.no_grad():
-        pi = net(batch["x"], batch["bias_at"], batch["bias"]).double().softmax(-1).flatten(0, 1)  # (n, V)
-    onehot = torch.nn.functional.one_hot(batch["tokens"].flatten(), pi.shape[1]).double()  # (n, V)
-    ratio = (onehot - pi).norm(dim=1) / (pi * (1 - onehot)).sum(1)  # (n,)
-    lo, hi = math.sqrt(pi.shape[1] / (pi.shape[1] - 1)), math.sqrt(2)
-    return {"ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()), "bound_lo": lo, "bound_hi": hi,
-            "holds": bool((ratio >= lo - 1e-9).all() and (ratio <= hi + 1e-9).all())}
-
-
 def run_toy(s: ToySettings) -> dict:
     """Every part of the toy for settings `s`; a pure function of `s` (with torch's thread count fixed)."""
-    seeds = [s.seed + i for i in range(s.seeds)]
-    runs = {m: [toy_trajectory(s, m, k, TOY_PAIRED if m == "grpo" else ()) for k in seeds] for m in TOY_OWN_RUNS}
+    runs = {m: [toy_trajectory(s, m, s.seed + i, TOY_PAIRED if m == "grpo" else ()) for i in range(s.seeds)]
+            for m in TOY_OWN_RUNS}
     net = ToyPolicy(s, s.seed)
     batch = toy_rollout(net, torch.Generator().manual_seed(s.seed))
-    fig1 = measure_bins(method_config(Config(temperature=1.0, micro_batch_size=len(batch["mask"])), "grpo"), net,
-                        lambda b: toy_logprobs(net, b), batch)
-    units = [{m: pool_counts([p[m] for p in r["paired"]]) for m in r["paired"][0]} for r in runs["grpo"]]  # per seed
+    units = [{m: pool_counts([p[m] for p in r["paired"]]) for m in r["paired"][0]} for r in runs["grpo"]]  # a seed
     own = {m: figure3_shares(pool_counts([c for r in rs for c in r["counts"]])) for m, rs in runs.items()}
-    return {"settings": asdict(s), "bins": list(BIN_NAMES), "bound": toy_bound(net, batch), "figure1": fig1,
-            "reward": {m: [sum(r["reward"][t] for r in rs) / len(rs) for t in range(s.steps)] for m, rs in runs.items()},
-            "figure3": {"rose": {m: v["rose"] for m, v in own.items()},
-                        "rose_of_moved": {m: v["rose_of_moved"] for m, v in own.items()},
-                        "ties": {m: v["ties"] for m, v in own.items()}, "paired": paired_deltas(units)}}
-
-
-def toy_checks(r: dict) -> list[str]:
-    """The claims the toy tests, each line marked by the run's own numbers."""
-    rose, lines = r["figure3"]["rose"], []
-    gap = rose["grpo"][0] - rose["grpo"][3] if None not in (rose["grpo"][0], rose["grpo"][3]) else math.nan
-    lines.append(f"[{'yes' if r['bound']['holds'] else 'NO '}] Prop. 4.2: ||e_j - pi|| / (1 - pi_j) of every sampled "
-                 f"token in [{r['bound']['bound_lo']:.4f}, {r['bound']['bound_hi']:.4f}]")
-    lines.append(f"[{'yes' if gap >= 0.05 else 'NO '}] Figure 3: GRPO's top bin rose at least 0.05 less often than its "
-                 f"lowest: {fmt_list(rose['grpo'])} (lowest - top = {gap:+.3f})")
-    for m, d in r["figure3"]["paired"].items():
-        lo, hi = d["ci95"][3] or (math.nan, math.nan)
-        verdict = ("raises" if lo > 0 else "lowers") if d["resolved"][3] else "not resolved for"
-        lines.append(f"[paired] {m} {verdict} the top bin's share vs GRPO: {d['delta'][3]:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-                     f"; all bins {fmt_list(d['delta'], '+.3f')}")
-    return lines
+    return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": measure_bins(Config(micro_batch_size=len(batch[
+            "mask"])), net, functools.partial(toy_logprobs, net), batch), "reward": {m: [sum(r["reward"][t] for r in rs)
+            / len(rs) for t in range(s.steps)] for m, rs in runs.items()},
+            "figure3": {**{k: {m: v[k] for m, v in own.items()} for k in ("rose", "rose_of_moved", "ties")},
+                        "paired": paired_deltas(units)}}
 
 
 def fmt_list(xs: list, spec: str = ".3f") -> str:
@@ -725,43 +619,46 @@ def fmt_list(xs: list, spec: str = ".3f") -> str:
 
 
 def toy_main(args: argparse.Namespace) -> dict:
-    """`python lopti.py toy`: run, print the checks, write results.json and toy.png to --out (default toy/)."""
+    """`python lopti.py toy`: run, print the checks, write results.json and toy.png to --out."""
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if getattr(args, f.name, None) is not None}
     s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
-    assert s.optimizer in ("adamw", "sgd") and s.seeds >= 1 and s.steps >= 1, "bad toy setting"
-    out = args.out or Path("toy" if not given and not args.quick else "runs/toy")
-    threads, t0 = torch.get_num_threads(), time.perf_counter()
+    out, threads, t0 = args.out or Path("runs/toy" if given or args.quick else "toy"), torch.get_num_threads(), time.time()
     torch.set_num_threads(1)  # faster for these small matrices, and the same float sums on every machine
     try:
         r = run_toy(s)
     finally:
         torch.set_num_threads(threads)
-    r["checks"] = toy_checks(r)
+    rose, gap = r["figure3"]["rose"]["grpo"], r["figure3"]["rose"]["grpo"][0] - r["figure3"]["rose"]["grpo"][3]
+    r["checks"] = [f"[{'yes' if gap >= 0.05 else 'NO '}] GRPO's top bin rose at least 0.05 less often than its lowest:"
+                   f" {fmt_list(rose)} (lowest - top {gap:+.3f})"]
+    for m, d in r["figure3"]["paired"].items():
+        lo, hi = d["ci95"][3]
+        verdict = ("raises" if lo > 0 else "lowers") if d["resolved"][3] else "does not resolve"
+        r["checks"].append(f"[paired] {m} {verdict} the top bin's share vs GRPO: {d['delta'][3]:+.3f} [{lo:+.3f}, "
+                           f"{hi:+.3f}]; every bin {fmt_list(d['delta'], '+.3f')}")
     print("\n".join(r["checks"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(r, indent=1) + "\n")
     plt = pyplot()
     if plt is not None:
-        fig, ax = plt.subplots(1, 3, figsize=(17, 4))
-        plot_fig3(ax[0], r["figure3"]["rose"], "toy, each method's own runs")
-        plot_paired(ax[1], r["figure3"]["paired"])
-        for m, curve in r["reward"].items():
-            ax[2].plot(range(1, len(curve) + 1), curve, label=m)
-        ax[2].set(title="reward per step (mean over seeds)", xlabel="RL step")
-        ax[2].legend(fontsize=7)
+        fig, ax = plt.subplots(1, 2, figsize=(14, 4))
+        plot_bars(ax[0], r["figure3"]["rose"], "Figure 3: share of A>0 tokens that rose (each method's own runs;"
+                  " paper: black)")
+        paired = r["figure3"]["paired"]
+        plot_bars(ax[1], {m: d["delta"] for m, d in paired.items()}, "paired: minus GRPO's, same state and batch",
+                  {m: d["ci95"] for m, d in paired.items()})
         save_png(plt, fig, out / "toy.png")
-    print(f"wrote {out / 'results.json'}; {time.perf_counter() - t0:.1f} s")
+    print(f"wrote {out / 'results.json'} in {time.time() - t0:.1f} s")
     return r
-
 
 
 # ====== Knights and Knaves: the paper's task (Logic-RL's data and reward) ======
 # Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves) as Logic-RL ships it
 # (the official code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py (also in AR-Lopti).
 
-KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy = share of completions scoring exactly this
+KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
-THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; kk_reward reads it as part of the text
+THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; the reward reads it as part of the text
 KK_SYSTEM_PROMPTS = {
     "paper": (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
         "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
@@ -770,7 +667,7 @@ KK_SYSTEM_PROMPTS = {
         "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
         "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
         "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n"),
-    "small": (  # ours, for small models: the tags are named one by one, never shown as a template to copy
+    "small": (  # ours, for small models: the tags named one by one, never a template to copy
         "You are a helpful assistant. The user gives you a logic puzzle about knights, who always tell the truth, "
         "and knaves, who always lie. Reason about it briefly after <think>, and close your reasoning with </think>. "
         "Then write <answer>, say for each person whether they are a knight or a knave, and close with </answer>."),
@@ -793,15 +690,6 @@ _KK_SAYINGS = (  # the benchmark's 18 speech templates, each seen in the officia
     'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
 )
 KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
-    "quiz": datasets.Value("string"),
-    "names": datasets.List(datasets.Value("string")),
-    "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
-    "solution_text": datasets.Value("string"),
-    "solution_text_format": datasets.Value("string"),  # the reward's ground truth
-    "statements": datasets.Value("string"),  # the official Python-literal tuple, 0-based person indices
-    "num_people": datasets.Value("int64"),
-})
-KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
     "quiz": datasets.Value("string"), "names": datasets.List(datasets.Value("string")),
     "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
     "solution_text": datasets.Value("string"),
@@ -811,8 +699,7 @@ KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
 
 
 def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
-    """Truth of one statement of the benchmark's tuple form, e.g. ("and", ("lying", 0), ("telling-truth", 2)), in a
-    world of roles (True = knight)."""
+    """Truth of a statement like ("and", ("lying", 0), ("telling-truth", 2)) in a world (True = knight)."""
     op, *args = statement
     if op in ("telling-truth", "lying"):
         return world[args[0]] == (op == "telling-truth")
@@ -822,16 +709,16 @@ def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
 
 
 def kk_solve(statements) -> list[list[bool]]:
-    """Every consistent assignment of roles (True = knight): person i is a knight iff statement i is true. Tries all
-    2^n in itertools.product order, as the benchmark does. `statements`: the tuple, or its string (a literal only)."""
+    """Every consistent world (True = knight): person i is a knight iff statement i is true. Tries all 2^n in the
+    benchmark's order. `statements`: the tuple, or its string (parsed as a literal, never run)."""
     statements = ast.literal_eval(statements) if isinstance(statements, str) else statements
     return [list(w) for w in itertools.product((True, False), repeat=len(statements))
             if all(_kk_true(s, w) == w[i] for i, s in enumerate(statements))]
 
 
 def _kk_statement(rng: random.Random, n: int, speaker: int) -> tuple:
-    """One statement by `speaker`, from the benchmark's grammar: a leaf, "not", "and", "or", "->" or "<=>", 1/6 each,
-    over distinct leaves; never "I am a knave"."""
+    """A statement by `speaker`, by the benchmark's grammar: a leaf, not, and, or, ->, <=> (1/6 each) over distinct
+    leaves; never "I am a knave"."""
     def leaf():
         while (cand := (rng.choice(("telling-truth", "lying")), rng.randrange(n))) == ("lying", speaker):
             pass
@@ -1036,12 +923,10 @@ def load_task_data(cfg: Config):
 
 
 # ====== The LLM run: rollout -> reward -> group advantage -> pi_old -> update -> Figure 3, on K&K ======
-# train_step is one RL step (Algorithm 1); train() is the loop around it (data order, logs, checkpoints, evaluation,
-# --resume, Ctrl-C and SIGTERM). Model I/O and log-probs come first.
+# Model I/O and log-probs first; then train_step, one RL step (Algorithm 1), and train(), the loop around it.
 
 
 def pick_device() -> torch.device:
-    """cuda -> mps -> cpu."""
     return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
 
 
@@ -1053,14 +938,13 @@ def has_bf16(device: torch.device) -> bool:
 
 
 def autocast(device: torch.device, enabled: bool = True):
-    """bf16 autocast where the GPU has bf16, fp32 elsewhere. The trained parameters and AdamW's state stay fp32: at
-    lr 1e-6 an update is below bf16's resolution, so bf16 weights would barely move."""
+    """bf16 autocast where the GPU has bf16. The parameters and AdamW's state stay fp32: an update at lr 1e-6 is
+    below bf16's resolution, so bf16 weights would barely move."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and has_bf16(device))
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A causal LM (hub id or local folder) with PyTorch SDPA attention and dropout off (dropout would make the first
-    ratio != 1)."""
+    """A causal LM (hub id or folder) with SDPA attention and dropout off (it would make the first ratio != 1)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
     for module in model.modules():
@@ -1076,75 +960,62 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(name)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # masks are built from positions, so pad == EOS is safe
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # masks come from positions: pad == EOS is safe
     return tokenizer
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response: the generation config's EOS ids (Qwen has two) and the tokenizer's."""
+    """Every id that ends a response: the generation config's (Qwen has two) and the tokenizer's."""
     ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(ids) | ({tokenizer.eos_token_id} - {None}))
+    return sorted(set([] if ids is None else [ids] if isinstance(ids, int) else ids) | {tokenizer.eos_token_id} - {None})
 
 
 def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The response tokens, built from positions: up to and including the first EOS. Returns (mask (B, C) bool,
-    truncated (B,) bool: no EOS). From token values instead (tokens != pad), the generated EOS is dropped when
-    pad == EOS and the model never learns to stop.
+    """The response tokens, from positions: up to and including the first EOS; and (B,) truncated: no EOS. From
+    token values instead (tokens != pad), the EOS is dropped when pad == EOS and the model never learns to stop.
     Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
         -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]"""
-    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, C)
-    eos_before = is_eos.long().cumsum(1) - is_eos.long()  # (B, C): EOS strictly before each position
-    return eos_before == 0, ~is_eos.any(1)
-
-
-def decoder_and_head(model):
-    """A causal LM's decoder (its last hidden state is after the final norm) and output layer, so that
-    model(x).logits == head(decoder(x).last_hidden_state); models that rescale logits after it are refused."""
-    text = model.config.get_text_config()
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # Gemma 2/3, Cohere, Granite
-        assert getattr(text, name, None) in (None, 1), f"{type(model).__name__} rescales its logits ({name})"
-    return model.base_model, model.get_output_embeddings()
+    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device)).long()  # (B, C)
+    return is_eos.cumsum(1) - is_eos == 0, is_eos.sum(1) == 0  # no EOS strictly before a position
 
 
 def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Prefix sharing: the G rows of a GRPO group share their prompt, so its forward (and backward) runs once per
-    distinct prompt and its KV cache is indexed back to all B rows, differentiably. Returns the cache of the
-    left-padded prefixes (B, L) and their last position's final hidden state (B, 1, H)."""
+    """Prefix sharing: a GRPO group's G rows share their prompt, so its forward (and backward) runs once per
+    distinct prompt and the KV cache is indexed back to every row, differentiably. Returns the cache of the
+    left-padded prefixes (B, L) and the final hidden state of their last position (B, 1, H)."""
     L = input_ids.shape[1]
     rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
-    out = decoder_and_head(model)[0](input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True,
-                                     position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
+    out = model.base_model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True,
+                           position_ids=(rows[:, L:].long().cumsum(-1) - 1).clamp_min(0))
     out.cache.batch_select_indices(inverse)
     return out.cache, out.last_hidden_state[inverse, -1:]
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
                       temperature: float) -> torch.Tensor:
-    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C). Position ids
-    come from the attention mask, as generate() made them, so a left-padded row scores as it would alone. The decoder
-    runs once (a shared prompt once per group: prefix_cache) and token_logprobs applies the output layer to the C
-    hidden states in chunks, so the (B, C, V) logits never exist whole."""
-    C, (decoder, head) = num_completion, decoder_and_head(model)
+    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows (B, C). Position ids come
+    from the attention mask as generate() made them, so a padded row scores as it would alone. The decoder (HF's
+    base_model) runs once, a shared prompt once per group, and token_logprobs applies the output layer in chunks.
+    (Models that rescale logits after the output layer, as Gemma 2's softcapping, would need that step too.)"""
+    C, head = num_completion, model.get_output_embeddings()
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
-    distinct = len(torch.unique(input_ids[:, :-C], dim=0))
-    if C == 1 or distinct == len(input_ids) or (model.is_activation_checkpointing and model.training):
-        hidden = decoder(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],  # (HF drops the cache
-                         position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state[:, -C:]  # when training
-    else:  # with checkpointing)
-        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first (B, 1, H) predicts o_1
-        rest = decoder(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
-                       position_ids=position_ids[:, -C:-1], cache=cache).last_hidden_state
+    shared = len(torch.unique(input_ids[:, :-C], dim=0)) < len(input_ids) and C > 1
+    if not shared or (model.is_activation_checkpointing and model.training):  # (HF drops a cache when checkpointing)
+        hidden = model.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                                  position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state[:, -C:]
+    else:
+        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first: predicts o_1
+        rest = model.base_model(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
+                                position_ids=position_ids[:, -C:-1], cache=cache).last_hidden_state
         hidden = torch.cat([first, rest], 1)  # (B, C, H): position t predicts o_{t+1}
     return token_logprobs(hidden, targets, temperature, head=head)  # (B, C)
 
 
 def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """End each row's `mask` (B, C) at the token that completes the text `stop`, as generate's stop_strings does;
-    later tokens are padding. Returns (mask (B, C), stopped (B,) bool)."""
-    mask, stopped = mask.clone(), torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    """End each row's `mask` (B, C) at the token that completes the text `stop`, as generate's stop_strings would;
+    later tokens are padding. Returns (mask, stopped (B,))."""
+    mask, stopped = mask.clone(), torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
     for i, row in enumerate(completions.tolist()):
         pieces = tokenizer.batch_decode([[t] for t in row[:int(mask[i].sum())]])
         at = "".join(pieces).find(stop)
@@ -1157,46 +1028,45 @@ def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) 
 
 @torch.no_grad()
 def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False) -> dict:
-    """One completion per prompt (repeat a prompt for a group), sampled from pi_old = softmax(z / T): no top-k, top-p
-    or repetition penalty from the model's generation config, since pi_old must be what the tokens were drawn from.
-    Returns the left-padded prompt + completion `input_ids` and `attention_mask` (B, P + C), the completion `mask`
-    (B, C), `truncated` (B,) and the decoded `texts`."""
+    """A completion per prompt, sampled from pi_old = softmax(z / T): no top-k, top-p or repetition penalty from the
+    model's generation config, since pi_old must be what the tokens were drawn from. Returns the left-padded
+    `input_ids` and `attention_mask` (B, P + C), the completion `mask` (B, C), `truncated` (B,) and `texts`."""
     from transformers import GenerationConfig
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos_ids = eos_token_ids(model, tokenizer)
-    # Qwen's generation config has top_p 0.8, top_k 20, repetition_penalty 1.05: the model's own is swapped for this
-    # one during generate, since generate() fills a field passed at its library default from the model's config.
+    # Qwen's generation config has top_p 0.8, top_k 20, repetition_penalty 1.05, and generate() fills a field given
+    # at its library default from the model's: the model's config is swapped for this one while generating.
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
                                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
                                **({} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)))
     saved, model.generation_config, parts = model.generation_config, gen_cfg, []
-    chunk = cfg.generation_batch_size or len(prompts)
     try:
-        for i in range(0, len(prompts), chunk):  # chunks bound the KV cache's memory
-            ids, att = enc["input_ids"][i:i + chunk], enc["attention_mask"][i:i + chunk]  # (b, P)
+        for i in range(0, len(prompts), cfg.generation_batch_size or len(prompts)):  # chunks bound the KV cache
+            ids = enc["input_ids"][i:i + (cfg.generation_batch_size or len(prompts))]  # (b, P)
+            att = enc["attention_mask"][i:i + len(ids)]
             with autocast(device):  # a group's prompt runs once (prefix_cache), not G times
-                shared = {"cache": prefix_cache(model, ids[:, :-1], att[:, :-1])[0]} if len(
-                    torch.unique(ids, dim=0)) < len(ids) else {}
+                cache = prefix_cache(model, ids[:, :-1], att[:, :-1])[0] if len(torch.unique(ids, dim=0)) < len(ids) else None
                 parts.append(model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
-                                            **shared)[:, ids.shape[1]:])  # (b, C_i)
+                                            cache=cache)[:, ids.shape[1]:])  # (b, C_i)
     finally:
         model.generation_config = saved
     C = max(p.shape[1] for p in parts)
     completions = torch.cat([torch.nn.functional.pad(p, (0, C - p.shape[1]), value=tokenizer.pad_token_id)
                              for p in parts])  # (B, C)
     mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
-    if cfg.stop_at_answer:  # (generate runs on until EOS; stop_strings would need the tokenizer in every call)
+    if cfg.stop_at_answer:
         mask, stopped = cut_at(tokenizer, completions, mask, "</answer>")
         truncated &= ~stopped
-    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id), skip_special_tokens=True)
     return {"input_ids": torch.cat([enc["input_ids"], completions], 1), "mask": mask, "truncated": truncated,
-            "attention_mask": torch.cat([enc["attention_mask"], torch.ones_like(completions)], 1), "texts": texts}
+            "attention_mask": torch.cat([enc["attention_mask"], torch.ones_like(completions)], 1),
+            "texts": tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id),
+                                            skip_special_tokens=True)}
 
 
 def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
-    """sequence_logprobs of a micro-batch's completions (b, C), run only up to its longest completion (`mask`); the
-    columns after it get 0. Exact (attention is causal), and one long completion no longer costs every micro-batch."""
+    """sequence_logprobs of a micro-batch's completions (b, C), run only up to its longest (`mask`): exact, since
+    attention is causal, and one long completion no longer costs every micro-batch. Later columns get 0."""
     C, cols = micro["mask"].shape[1], micro["mask"].any(0).nonzero()
     c = int(cols[-1]) + 1 if len(cols) else 1
     end = micro["input_ids"].shape[1] - C + c
@@ -1207,21 +1077,21 @@ def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None,
                      fp32: bool = False) -> torch.Tensor:
-    """No-grad log-probs of the completions (B, C), micro-batched: pi_old after the rollout, the reference's, or
-    Figure 3's measurement. Only `rows` ((B,) bool) are computed if given; the rest stay 0. `fp32`: no autocast."""
+    """No-grad log-probs of the completions (B, C), micro-batched: pi_old, the reference's, or Figure 3's pass. Only
+    `rows` ((B,) bool) are computed if given; the rest stay 0. `fp32`: no bf16 autocast."""
     model.eval()
     out = torch.zeros(batch["mask"].shape, device=batch["mask"].device)  # (B, C)
     index = torch.arange(len(out)) if rows is None else rows.nonzero().squeeze(1).cpu()
     for micro in index.split(cfg.micro_batch_size) if len(index) else ():
         with autocast(device, not fp32):
-            out[micro] = completion_logprobs(model, {k: batch[k][micro] for k in ("input_ids", "attention_mask",
-                                                                                     "mask")}, cfg.temperature)
+            sub = {k: batch[k][micro] for k in ("input_ids", "attention_mask", "mask")}
+            out[micro] = completion_logprobs(model, sub, cfg.temperature)
     return out
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
-    """Greedy decoding on K&K rows: accuracy (share of reward 3) overall and per number of people, the mean reward per
-    number of people, and the accuracy of the best constant answer on the same rows (constant_accuracy)."""
+    """Greedy K&K accuracy (share of reward 3), overall and per number of people, the mean reward per number of
+    people, and the accuracy of the best constant answer on the same rows (constant_accuracy)."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
@@ -1237,38 +1107,37 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """On CUDA the allocator's reserved peak (what runs out) since the last call, which resets it; elsewhere the
-    process's peak resident size."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**30
-    import resource  # ru_maxrss: KiB on Linux, bytes on macOS
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+    """CUDA: the allocator's reserved peak since the last call (which resets it). CPU: the process's peak RSS."""
+    if device.type != "cuda":
+        import resource  # ru_maxrss: KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = torch.cuda.max_memory_reserved(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device: torch.device,
                probe: Callable | None = None) -> dict:
-    """One RL step (Algorithm 1) on K&K rows. Returns its metrics, and under "samples" the first prompt's G
-    completions with their rewards. `probe(batch, logprob_fn, measure, before)` runs before the update and its dict
-    joins the metrics (diagnose's measurements); without an optimizer there is no update."""
+    """One RL step (Algorithm 1) on K&K rows; its metrics, with the first prompt's G completions under "samples".
+    `probe(batch, logprob_fn, measure, before)` runs before the update (diagnose's measurements); without an
+    optimizer there is no update."""
     G, t0 = cfg.num_generations, time.perf_counter()
-    prompts = [kk_prompt(tokenizer, quiz, cfg.prompt) for quiz in rows["quiz"] for _ in range(G)]
-    batch = rollout(model, tokenizer, prompts, cfg, device)
+    batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q, cfg.prompt) for q in rows["quiz"] for _ in range(G)],
+                    cfg, device)
     t1 = time.perf_counter()
     solutions = [s for s in rows["solution_text_format"] for _ in range(G)]
     rewards, trained = kk_rewards(batch["texts"], solutions, cfg.format_reward)  # (B,) Logic-RL's, (B,) training
     batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
-    needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,): the other rows need no pass at all
+    needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,): the others need no pass at all
     batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C), fixed for the step
     if ref_model is not None:
         batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)
     # Figure 3 compares pi before and after the update by one pass, so that an unmoved token compares equal: pi_old's,
-    # or under bf16 an fp32 pass, since bf16's rounding (0.4 %) exceeds what an update at lr 1e-6 moves a token.
+    # or under bf16 an fp32 pass, as bf16's rounding (0.4 %) exceeds what an update at lr 1e-6 moves a token.
     measure = functools.partial(batched_logprobs, model, batch, cfg, device, needed, has_bf16(device))
     t2 = time.perf_counter()
-    before = measure() if cfg.measure_update and has_bf16(device) and optimizer else batch["old_logprobs"]
-    if device.type == "cuda":  # CUDA runs asynchronously: wait, or the passes' time lands in the update's
+    before = measure() if has_bf16(device) and cfg.measure_update else batch["old_logprobs"]
+    if device.type == "cuda":  # CUDA is asynchronous: wait, or the passes' time lands in the update's
         torch.cuda.synchronize(device)
     t3 = time.perf_counter()
 
@@ -1285,22 +1154,23 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
             t4 = time.perf_counter()
             metrics.update(update_counts(before, measure(), batch["advantages"], batch["mask"], batch["old_logprobs"]))
             metrics["time/measure"] = time.perf_counter() - t4 + t3 - t2
-    grouped, lengths = trained.view(-1, G), batch["mask"].sum(1).float()  # (P, G), (B,)
+    grouped = trained.view(-1, G)  # (P, G)
     return {"reward": rewards.mean().item(), "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
             "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
             "format_credit": ((trained - rewards) / cfg.format_reward).mean().item() if cfg.format_reward else None,
             "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
-            "completion_length": lengths.mean().item(), "truncated": batch["truncated"].float().mean().item(),
-            **metrics, "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "peak_memory_gb": peak_memory_gb(device),
+            "completion_length": batch["mask"].sum(1).float().mean().item(),
+            "truncated": batch["truncated"].float().mean().item(), **metrics, "time/rollout": t1 - t0,
+            "time/logprobs": t2 - t1, "peak_memory_gb": peak_memory_gb(device),
             "samples": [{"reward": r, "completion": THINK_PREFIX + t} for r, t in zip(rewards[:G].tolist(), batch["texts"])]}
 
 
 def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
     """Row indices of RL step `step`'s prompts (0-based): consecutive slices of per-epoch shuffles, each a pure
-    function of (seed, epoch), so --resume replays the same data."""
+    function of (seed, epoch), so that --resume replays the same data."""
     order = lambda e: torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + e))  # noqa
-    first = step * cfg.prompts_per_step
-    return [int(order(i // num_rows)[i % num_rows]) for i in range(first, first + cfg.prompts_per_step)]
+    return [int(order(i // num_rows)[i % num_rows]) for i in range(step * cfg.prompts_per_step,
+                                                                   (step + 1) * cfg.prompts_per_step)]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -1315,21 +1185,20 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """The complete checkpoints of a run folder, oldest first (a .tmp folder is one being written)."""
+    """A run folder's complete checkpoints, oldest first (checkpoint-STEP.tmp is one being written)."""
     return sorted((p for p in out.glob("checkpoint-*") if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
-    """out/checkpoint-STEP/: the model and tokenizer (a folder --model loads) and trainer_state.pt (step, optimiser,
-    RNG). Written to a .tmp folder and renamed, and only then are older checkpoints removed: a crash at any moment
-    leaves a complete latest checkpoint."""
+    """out/checkpoint-STEP/: model and tokenizer (a folder --model loads) and trainer_state.pt (step, optimiser,
+    RNG), written as checkpoint-STEP.tmp and renamed; only then are older ones removed. A crash at any moment leaves
+    a complete latest checkpoint."""
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / "trainer_state.pt")
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / "trainer_state.pt")
     tmp.rename(final)
     for old in checkpoints(out)[:-1]:
         shutil.rmtree(old)
@@ -1344,11 +1213,11 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_siz
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl (a line per step and one per evaluation),
-    samples.jsonl and checkpoint-STEP/ into cfg.output_dir, and returns the last checkpoint. Ctrl-C or SIGTERM
-    finishes the step, saves it and exits 130 or 143; a second signal aborts at once, the last checkpoint kept."""
+    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl (a line per step, and one per evaluation),
+    samples.jsonl and checkpoint-STEP/ into cfg.output_dir; returns the last checkpoint. Ctrl-C or SIGTERM finishes
+    the step, saves it and exits 130 or 143; a second signal aborts at once, keeping the last checkpoint."""
     out = Path(cfg.output_dir)
-    if resume:  # (resolve_config read config.json: it is a lopti run's)
+    if resume:  # (resolve_config has read config.json: a run's)
         saved = json.loads((out / "config.json").read_text())
         changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
                    if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
@@ -1361,8 +1230,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
     train_rows, eval_rows = load_task_data(cfg)  # a bad data file fails here, before anything is written
     ckpt = checkpoints(out)[-1] if resume and checkpoints(out) else None
     model, tokenizer = load_model(str(ckpt or cfg.model), device), load_tokenizer(str(ckpt or cfg.model))
-    ref_model = load_model(cfg.model, device, torch.bfloat16 if has_bf16(device) else torch.float32).eval(
-    ).requires_grad_(False) if cfg.beta > 0 else None  # frozen: bf16 halves its memory
+    ref_model = None if cfg.beta == 0 else load_model(cfg.model, device, torch.bfloat16 if has_bf16(device) else
+                                                      torch.float32).eval().requires_grad_(False)  # frozen
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     optimizer, start = make_optimizer(model, cfg), 0
@@ -1376,27 +1245,26 @@ def train(cfg: Config, resume: bool = False) -> Path:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         start = state["step"]
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "samples.jsonl"):  # the lines past the checkpoint are redone: each step once
-        lines = [r for r in read_jsonl(out / name) if r["step"] <= start]
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for name in ("metrics.jsonl", "samples.jsonl"):  # the lines past the checkpoint are redone: every step once
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(out / name) if r["step"] <= start))
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
     def log(name: str, record: dict) -> None:
         with open(out / name, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def log_evaluation(step: int) -> None:
+    def evaluation(step: int) -> None:
         log("metrics.jsonl", {"step": step, **evaluate(model, tokenizer, eval_rows, cfg, device)})
 
     due = lambda s: bool(cfg.eval_every and s % cfg.eval_every == 0) or s == cfg.steps  # noqa: E731
-    if start and due(start) and not any("eval/accuracy" in r for r in read_jsonl(out / "metrics.jsonl")
-                                        if r["step"] == start):
-        log_evaluation(start)  # the run stopped between saving this step and evaluating it
+    if start and due(start) and not any("eval/accuracy" in r and r["step"] == start for r in read_jsonl(
+            out / "metrics.jsonl")):
+        evaluation(start)  # the run stopped after saving this step, before evaluating it
     stop = {}
 
     def on_signal(signum, frame):
         if stop:
-            raise KeyboardInterrupt  # a second signal: abort now; the last checkpoint stays
+            raise KeyboardInterrupt  # a second signal: abort now, the last checkpoint stays
         stop["signum"] = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort)", flush=True)
 
@@ -1406,8 +1274,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
             rows = train_rows[step_rows(len(train_rows), cfg, step - 1)]
             metrics = train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)
             if not all(p.isfinite().all() for p in model.parameters()):  # never saved, never trained on
-                raise ValueError(f"step {step} diverged (the weights are no longer finite); it was not saved: "
-                                 "continue from the last checkpoint with --resume --learning_rate LOWER")
+                raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: continue from the "
+                                 "last checkpoint with --resume --learning_rate LOWER")
             log("samples.jsonl", {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")})
             log("metrics.jsonl", {"step": step, "learning_rate": cfg.learning_rate, **metrics})
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
@@ -1416,110 +1284,90 @@ def train(cfg: Config, resume: bool = False) -> Path:
                 print(f"stopped after step {step}, saved: continue with --resume", file=sys.stderr)
                 raise SystemExit(128 + stop["signum"])
             if due(step):
-                log_evaluation(step)
+                evaluation(step)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
     return checkpoints(out)[-1]
 
 
-# --- diagnose (Figure 1, and Figure 3 paired), fig3 (Figure 3 of runs), plot (learning curves)
+# --- diagnose: Figure 1, and Figure 3 paired; fig3: Figure 3 of runs; plot: learning curves
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
-    """`python lopti.py diagnose`: Figure 1 (measure_bins) on the first batch of cfg.model, and with `steps` > 0
-    Figure 3 paired: `steps` RL steps of one trajectory of the run's own method (a fresh optimiser), where every step
-    first applies each other of GRPO, AR, Lopti and AR+Lopti's whole update from the same weights, optimiser state and
-    batch (paired_counts), then takes the trajectory's own, whose counts are its method's. Writes `out` (JSON) and a
-    PNG beside it; the model's folder is only read."""
+    """`python lopti.py diagnose`: Figure 1 (measure_bins) on the first batch of cfg.model; with `steps` > 0, Figure
+    3 paired along `steps` RL steps of one trajectory of cfg's method (a fresh optimiser): each step first applies the
+    other three of GRPO, AR, Lopti and AR+Lopti from the same weights, optimiser state and batch (paired_counts),
+    then the trajectory's own update, whose counts are its method's. Writes the JSON `out`; reads the model only."""
     cfg = dataclasses.replace(cfg, measure_update=True)
-    device, own = pick_device(), method_name(cfg)
+    device, own = pick_device(), method_name(asdict(cfg))
     torch.manual_seed(cfg.seed)
     train_rows = load_task_data(cfg)[0]
     model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
     ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
-    optimizer, result, units = make_optimizer(model, cfg), {"model": cfg.model, "bins": list(BIN_NAMES)}, []
+    optimizer, result, units = make_optimizer(model, cfg), {"model": cfg.model, "bins": BIN_NAMES}, []
+    others = [m for m in ("grpo", "ar", "lopti", "ar_lopti") if m != own]
 
     def probe(batch: dict, logprob_fn: Callable, measure: Callable, before: torch.Tensor) -> dict:
-        if "figure1" not in result:  # fp32 forwards: an lr 1e-3 SGD probe is below bf16's resolution
-            fp32 = lambda b: completion_logprobs(model, b, cfg.temperature)  # noqa: E731
-            result["figure1"] = measure_bins(cfg, model, fp32, batch)
+        if "figure1" not in result:  # in fp32 (no autocast), as its gradients are summed in fp64
+            result["figure1"] = measure_bins(cfg, model, functools.partial(completion_logprobs, model,
+                                                                           temperature=cfg.temperature), batch)
         if steps:
-            units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure, before,
-                                       [m for m in ("grpo", "ar", "lopti", "ar_lopti") if m != own]))
+            units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure, before, others))
         return {}
 
     for step in range(max(steps, 1)):
-        t0 = time.perf_counter()
-        m = train_step(cfg, model, ref_model, tokenizer, optimizer if steps else None,
-                       train_rows[step_rows(len(train_rows), cfg, step)], device, probe)
+        t0, rows = time.perf_counter(), train_rows[step_rows(len(train_rows), cfg, step)]
+        m = train_step(cfg, model, ref_model, tokenizer, optimizer if steps else None, rows, device, probe)
         if steps:
             units[-1][own] = {k: v for k, v in m.items() if k.startswith("update/")}
         print(f"step {step + 1}: reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
     result["paper"] = {k: PAPER_FIGURES[k] for k in ("token_share", "grad_norm", "pos_rose")}
     if steps:
         pooled = {m: pool_counts([u[m] for u in units]) for m in ("grpo", "ar", "lopti", "ar_lopti")}
-        result["figure3_paired"] = {"steps": steps, "methods": {m: {k[7:]: v for k, v in c.items()} for m, c in
-                                                                pooled.items()}, "delta_vs_grpo": paired_deltas(units),
-                                    "per_step": units}
+        result["figure3_paired"] = {"steps": steps, "delta_vs_grpo": paired_deltas(units), "per_step": units,
+                                    "methods": {m: {k[7:]: v for k, v in c.items()} for m, c in pooled.items()}}
         for m, c in pooled.items():
-            print(f"{m}: share of A>0 tokens that rose {fmt_list(figure3_shares(c)['rose'])}, ties "
-                  f"{fmt_list(figure3_shares(c)['ties'])}" + ("" if m == "grpo" else ", paired difference " +
-                  fmt_list(result["figure3_paired"]["delta_vs_grpo"][m]["delta"], "+.3f")))
+            d = result["figure3_paired"]["delta_vs_grpo"].get(m)
+            print(f"{m}: rose {fmt_list(figure3_shares(c)['rose'])}, ties {fmt_list(figure3_shares(c)['ties'])}"
+                  + (f", minus GRPO's {fmt_list(d['delta'], '+.3f')}" if d else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(1, 3 if steps else 2, figsize=(17 if steps else 11, 4))
-        f1, paper = result["figure1"], PAPER_FIGURES
-        _bars(ax[0], {"model": f1["token_share"]["all"], "paper": paper["token_share"]})
-        rel = lambda g: [v / g["all"] for v in g["bins"]]  # noqa: E731
-        _bars(ax[1], {"model": rel(f1["grad_norm"]), "paper": rel(paper["grad_norm"])})
-        ax[0].set(title="Fig. 1 (a): token share")
-        ax[1].set(title="Fig. 1 (d): grad norm of one bin / all")
-        ax[0].legend()
-        if steps:
-            plot_paired(ax[2], result["figure3_paired"]["delta_vs_grpo"])
-        save_png(plt, fig, out.with_suffix(".png"))
     return result
 
 
 def figure_3(runs: list[Path], out: Path) -> dict:
-    """`python lopti.py fig3 RUN...`: Figure 3 of runs' own updates (their logged update/ counts), summed per method:
-    per bin, the share of A > 0 tokens that rose, the share among those that moved, and the tie share, beside the
-    paper's; and a PNG. Unpaired: a difference between two methods' runs mixes in their different trajectories
-    (`diagnose --steps N` measures it paired)."""
+    """`python lopti.py fig3 RUN...`: Figure 3 of runs' own updates (their update/ counts), summed per method: per
+    bin the share of A > 0 tokens that rose, that share among those that moved, and the ties; and a PNG. Unpaired: a
+    difference between methods mixes in their trajectories (`diagnose --steps N` pairs them)."""
     steps: dict[str, list] = {}
     for run in runs:
         cfg = json.loads((run / "config.json").read_text())
         label = method_name(cfg) + (", sgd" if cfg["optimizer"] == "sgd" else "")
         steps.setdefault(label, []).extend(r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r)
     table = {m: {**figure3_shares(pool_counts(s)), "steps": len(s)} for m, s in steps.items()}
-    for m, t in table.items():
-        print(f"{m} ({t['steps']} steps): rose {fmt_list(t['rose'])}; of those that moved {fmt_list(t['rose_of_moved'])}"
-              f"; ties {fmt_list(t['ties'])}")
-    for m, v in PAPER_FIGURES["pos_rose"].items():
-        print(f"paper, {m}: rose {fmt_list(v)}")
+    for m, t in [*table.items(), *((f"paper, {m}", {"rose": v}) for m, v in PAPER_FIGURES["pos_rose"].items())]:
+        print(f"{m}: rose {fmt_list(t['rose'])}" + (f"; of those that moved {fmt_list(t['rose_of_moved'])}; ties "
+                                                    f"{fmt_list(t['ties'])} ({t['steps']} steps)" if "ties" in t else ""))
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        plot_fig3(ax, {m: t["rose"] for m, t in table.items()}, ", ".join(str(r) for r in runs)[:80])
+        plot_bars(ax, {m: t["rose"] for m, t in table.items()}, "Figure 3: share of A>0 tokens that rose (paper: black)")
         save_png(plt, fig, out)
     return table
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
-    """`python lopti.py plot RUN...`: reward, format errors, zero-spread groups and greedy accuracy per step (the
-    best constant answer's dashed), one colour per run."""
+    """`python lopti.py plot RUN...`: reward, format errors, zero-spread groups and greedy accuracy (the best constant
+    answer's dashed) per step, a colour per run."""
     plt = pyplot()
     assert plt is not None, "plot needs matplotlib: pip install matplotlib"
-    keys = ("reward", "format_error", "zero_std_groups", "eval/accuracy")
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for i, run in enumerate(runs):
         lines, cfg = read_jsonl(run / "metrics.jsonl"), json.loads((run / "config.json").read_text())
-        for ax, key in zip(axes, keys):
-            points = [(r["step"], r[key]) for r in lines if r.get(key) is not None]
-            ax.plot(*zip(*points), c=f"C{i}", label=f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})")
+        for ax, key in zip(axes, ("reward", "format_error", "zero_std_groups", "eval/accuracy")):
+            ax.plot(*zip(*[(r["step"], r[key]) for r in lines if r.get(key) is not None]), c=f"C{i}",
+                    label=f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})")
             ax.set(title=key, xlabel="RL step")
         constant = [(r["step"], r["eval/constant_accuracy"]) for r in lines if "eval/constant_accuracy" in r]
         axes[3].plot(*zip(*constant), c=f"C{i}", ls="--")
