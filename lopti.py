@@ -43,9 +43,8 @@ from tqdm.auto import tqdm
 
 @dataclass
 class Config:
-    """Every field is a flag (--field value); PRESETS change a few for smaller machines. Defaults: the paper's K&K
-    run (Qwen2.5-3B-Instruct; the official scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig keep
-    TRL's spelling (num_generations, epsilon, epsilon_high, beta, num_iterations, ...)."""
+    """Every field is a flag (--field value); PRESETS change a few. Defaults: the paper's K&K run (Qwen2.5-3B;
+    official scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig keep TRL's spelling."""
 
     # --- method
     alpha: float = 0.3
@@ -164,7 +163,6 @@ def people_range(spec: str) -> tuple[int, int]:
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) or (B, T) advantages as a float (B, T) view, for (B, T) tensors like `like`."""
     return (advantages.float().unsqueeze(-1) if advantages.dim() == 1 else advantages.float()).expand(like.shape)
 
 
@@ -173,8 +171,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
         A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        std: unbiased, as the official code's
 
-    `rewards` (B,) hold each prompt's G = `group_size` responses in consecutive rows. A group of equal rewards gets
-    A = 0 (not 0/eps noise); a group of one gets mean 0 and std 1, as in the official code.
+    `rewards` (B,): each prompt's G responses in consecutive rows. Equal rewards give A = 0 (not 0/eps noise); a
+    group of one gets mean 0, std 1, as in the official code.
     Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "rewards must be (B,), B a multiple of G"
     r = rewards.float().view(-1, group_size)  # (P, G)
@@ -195,12 +193,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    chunk_elems: int = 2**24, head: torch.nn.Linear | None = None) -> torch.Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32 for logits (B, T, V) and tokens (B, T); with `head` (an LM's
     output layer), `logits` are final hidden states (B, T, H) and z_t = head(h_t).
-    - Every log-prob (current, old, reference) is taken at the sampling temperature T, as the official actor does:
-      sampling softmax(z / T) but scoring softmax(z) makes the first ratio != 1 and moves Lopti's split.
-    - The softmax's sum is accumulated in fp64: for a token with pi near 1 it is 1 + a tiny rest, which fp32 rounds
-      in steps of 6e-8, so that an update's change to the token reads as none (Figure 3's ties).
-    - With `head`, chunks of about `chunk_elems` logits: the (B, T, V) logits never exist whole; under autograd a
-      chunk and its head are recomputed in the backward pass instead of being stored."""
+    - At the sampling temperature T for every log-prob (current, old, reference), as the official actor: scoring
+      softmax(z) while sampling softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
+    - The softmax's sum in fp64: near pi = 1 it is 1 + a tiny rest, which fp32 rounds in steps of 6e-8, so that an
+      update's change to such a token would read as none (Figure 3's ties).
+    - With `head`, chunks of ~`chunk_elems` logits: the (B, T, V) logits never exist whole, and under autograd a
+      chunk and its head are recomputed in the backward pass, not stored."""
     flat_x, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # (B*T, V or H), (B*T,)
     rows = max(1, chunk_elems // (logits.shape[-1] if head is None else head.out_features))
     recompute = head is not None and torch.is_grad_enabled()
@@ -222,7 +220,7 @@ def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, al
 def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest; two (B, T) masks
     that partition `mask`, made once per RL step for both stages.
-    Example, eta = 0.5: pi_old = [[0.9, 0.2, 0.6, 1.0]], mask = [[1, 1, 1, 0]] -> low [[F, T, F, F]], high [[T, F, T, F]]"""
+    Example, eta = 0.5: pi_old [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]] -> low [[F, T, F, F]], high [[T, F, T, F]]"""
     low = mask.bool() & (old_logprobs.detach().float().exp() < eta)  # (B, T)
     return low, mask.bool() & ~low
 
@@ -239,17 +237,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
         loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
 
-    Inputs are (B, T) (`advantages` may be (B,)). num_tokens defaults to mask.sum(); pass the whole mini-batch's
-    count for a micro-batch, so that accumulation gives one big batch's gradient, and the full count in a Lopti
-    stage: a stage is not renormalised over its own tokens, so the stages' gradients add up to GRPO's. The dual clip,
-    the per-stage `kl_mask`, the token-mean (the paper averages each response with 1/|o_i| first) and the shared
-    denominator are the official code's; the paper's text has none of them."""
+    (B, T) inputs (`advantages` may be (B,)). num_tokens: the whole mini-batch's count for a micro-batch (so that
+    accumulation is exact), and in a Lopti stage too: stages are not renormalised, so they add up to GRPO. The dual
+    clip, `kl_mask` per stage, the token-mean (the paper averages each response with 1/|o_i| first) and the shared
+    denominator follow the official code; the paper's text has none of them."""
     assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
     adv, mask = _per_token(advantages, logprobs), mask.bool()  # (B, T)
     kl_mask = mask if kl_mask is None else kl_mask.bool() & mask
     denom = (mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)).clamp(min=1)
-    # Padding may hold garbage log-probs: the log-ratio is 0 there before exp (no NaN gradient). The clamp is
-    # upstream verl's (the official fork has none): past ~88 exp() overflows and the gradient turns NaN.
+    # 0 on padding before exp (no NaN gradient); the clamp is upstream verl's (the fork's has none): exp overflows
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0).clamp(-20, 20)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - epsilon, 1 + epsilon_high))  # (B, T)
@@ -264,7 +260,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         n = mask.sum().clamp(min=1)
         stats = {"clip_high": ((ratio > 1 + epsilon_high) & (adv > 0) & mask).sum() / n,
                  "clip_low": ((ratio < 1 - epsilon) & (adv < 0) & mask).sum() / n,
-                 "kl_ref": kl.sum() / kl_mask.sum().clamp(min=1), "kl_old": -log_ratio.sum() / n}
+                 "kl_ref": kl.sum() / kl_mask.sum().clamp(min=1)}
     return loss, stats
 
 
@@ -272,27 +268,25 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the official scripts train (betas 0.9/0.999, constant lr; fused: no parameter-sized temporaries),
-    or plain SGD, the paper's analysis setting: p <- p - lr * g."""
+    """AdamW as the official scripts train (betas 0.9/0.999, constant lr), or SGD: p <- p - lr * g."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
     return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
 
 
 def rows_with_gradient(advantages: torch.Tensor, beta: float) -> torch.Tensor:
-    """(B,) bool: rows whose loss has a gradient, a non-zero advantage (before AR) or any row when beta > 0 (the KL
-    term). The others need no pi_old, no forward and no backward."""
+    """(B,) bool: rows with a non-zero advantage, or all when beta > 0 (the KL term). The rest have no gradient:
+    they need no pi_old, no forward and no backward."""
     return (advantages != 0).view(len(advantages), -1).any(1) | (beta > 0)
 
 
 def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optimizer: torch.optim.Optimizer,
                   batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One RL step's update: AR (Eq. 4), then one GRPO pass or, with cfg.lopti, Lopti's two complete passes
-    (Algorithm 1). `batch` holds (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and
-    what `logprob_fn(micro_batch)` needs to return the current (b, T) log-probs with gradients. A pass takes one
-    optimiser step per mini-batch, accumulating micro-batches over the mini-batch's token count. Stage 2 starts from
-    stage 1's weights and optimiser state, with the same pi_old and split. A row without gradient in a pass is not
-    computed but counts in the denominator: the step is the one over every row (tested)."""
+    """One RL step's update: AR (Eq. 4), then one GRPO pass or Lopti's two complete passes (Algorithm 1). `batch`:
+    (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and what `logprob_fn(micro)`
+    needs to return the current (b, T) log-probs with gradients. One optimiser step per mini-batch, micro-batches
+    accumulated over the mini-batch's token count. Stage 2 starts from stage 1's weights and optimiser state, with
+    the same pi_old and split. Rows without gradient are skipped but counted in the denominator."""
     B, mask = len(batch["mask"]), batch["mask"].bool()
     adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], cfg.alpha)  # (B, T): AR before Lopti
     stages = [("all", mask)]
@@ -301,16 +295,15 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
         stages = [("low", low), ("high", high)] if cfg.lopti_order == "low_first" else [("high", high), ("low", low)]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     active = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T)
-    weight = reweight_advantages(torch.ones(B, device=mask.device), batch["old_logprobs"], cfg.alpha)  # (B, T)
-    out = {"ar_weight": float(weight[active].mean()) if active.any() else None}
+    out = {}
     for name, stage in stages:
         t0, in_pass = time.perf_counter(), (active & stage).any(1).cpu()  # (B,): the rows computed in this pass
-        sums, losses, norms = dict.fromkeys(("clip_high", "clip_low", "kl_ref", "kl_old"), 0.0), [], []
+        sums, losses, norms = dict.fromkeys(("clip_high", "clip_low", "kl_ref"), 0.0), [], []
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
                 rows = torch.arange(start, min(start + cfg.mini_batch_size, B))
-                if not in_pass[rows].any():  # no gradient, no step (the official code steps, and AdamW's
-                    continue  # momentum and decay would still move the weights)
+                if not in_pass[rows].any():  # no gradient, no step (the official code steps: AdamW's momentum
+                    continue  # and decay move the weights even so)
                 n = mask[rows].sum()  # the mini-batch's tokens, in both stages (verl: a mean per micro-batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
@@ -339,9 +332,8 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
 
 
 # ====== Figures 1 and 3, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
-# Figure 3, the paper's central claim: after an update, the share of A > 0 tokens whose probability rose. Logged for
-# every training step's own update (update_counts) and paired, every method's update from one state (paired_counts).
-# Figure 1: per-bin token shares and gradient norms of one batch (measure_bins).
+# Figure 3: after an update, the share of A > 0 tokens whose probability rose; of every step's own update
+# (update_counts) and paired, every method's update from one state (paired_counts). Figure 1: measure_bins.
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
 PAPER_FIGURES = {  # the paper's K&K runs (Qwen2.5-7B-Instruct-1M): Figure 1 (a) and (d) of GRPO, Figure 3
@@ -355,15 +347,15 @@ METHODS = {"grpo": dict(alpha=0.0, lopti=False), "ar": dict(lopti=False), "lopti
 
 
 def method_config(cfg: Config, method: str) -> Config:
-    """`cfg` switched to a method of METHODS; AR's alpha is cfg's, or the paper's if cfg's is 0. 'grpo_2_epochs' runs
-    twice cfg's epochs, Lopti's number of passes: the compute-matched control."""
+    """`cfg` switched to a method of METHODS (AR's alpha: cfg's, or the paper's if 0). 'grpo_2_epochs' makes as
+    many passes as Lopti: the compute-matched control."""
     extra = {"num_iterations": 2 * cfg.num_iterations} if method == "grpo_2_epochs" else {}
     return dataclasses.replace(cfg, **{"alpha": cfg.alpha or Config.alpha, "lopti_order": "low_first",
                                        **METHODS[method], **extra})
 
 
 def method_name(cfg: dict) -> str:
-    """The method of a run's settings (config.json): grpo, ar, lopti or ar_lopti."""
+    """grpo, ar, lopti or ar_lopti, from a run's config.json."""
     return {(0, 0): "grpo", (1, 0): "ar", (0, 1): "lopti", (1, 1): "ar_lopti"}[(cfg["alpha"] > 0, cfg["lopti"])]
 
 
@@ -375,10 +367,9 @@ def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def update_counts(before: torch.Tensor, after: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   old_logprobs: torch.Tensor | None = None) -> dict[str, list[int]]:
-    """Figure 3 as the official code records it every step (verl/trainer/ppo/ray_trainer.py, plot_fig_type
-    "prob_stat"): per bin, the A > 0 tokens and how many rose or fell from `before` to `after` (log-probs of one
-    pass, so that an unmoved token compares equal), the A < 0 tokens and how many fell or rose; the rest are ties.
-    A is taken before AR. Counts: steps and runs pool by summing. Binned by old_logprobs if given, else `before`."""
+    """Figure 3 as the official code records it (verl/trainer/ppo/ray_trainer.py, plot_fig_type "prob_stat"): per
+    bin, the A > 0 tokens (A before AR) and how many rose or fell from `before` to `after` (one pass's log-probs, so
+    an unmoved token compares equal), and the A < 0 tokens and how many fell or rose; the rest are ties."""
     masks = bin_masks(before if old_logprobs is None else old_logprobs, mask)  # (4, B, T)
     adv, move, out = _per_token(advantages, before), (after - before).sign(), {}  # (B, T), (B, T)
     for sign, name, good, bad in ((1, "pos", "rose", "fell"), (-1, "neg", "fell", "rose")):
@@ -390,14 +381,13 @@ def update_counts(before: torch.Tensor, after: torch.Tensor, advantages: torch.T
 
 
 def pool_counts(records: list[dict]) -> dict[str, list[int]]:
-    """update_counts of several steps or runs (metrics lines without them count 0), summed per bin."""
+    """update_counts of steps or runs, summed per bin."""
     return {f"update/{k}": [sum(r.get(f"update/{k}", [0] * 4)[b] for r in records) for b in range(4)]
             for k in UPDATE_KEYS}
 
 
 def figure3_shares(c: dict) -> dict[str, list]:
-    """From (pooled) counts, per bin: Figure 3's share of A > 0 tokens that rose, that share among the tokens that
-    moved, and the tie share (None for an empty bin)."""
+    """Per bin: the share of A > 0 tokens that rose (Figure 3), that share among those that moved, the ties."""
     n, rose, fell = c["update/pos_tokens"], c["update/pos_rose"], c["update/pos_fell"]
     div = lambda a, b: [x / y if y else None for x, y in zip(a, b)]  # noqa: E731
     moved = [r + f for r, f in zip(rose, fell)]
@@ -406,11 +396,11 @@ def figure3_shares(c: dict) -> dict[str, list]:
 
 def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, logprob_fn: Callable,
                   batch: dict, measure: Callable[[], torch.Tensor], before: torch.Tensor, methods) -> dict[str, dict]:
-    """Figure 3 paired: each method's whole update (method_config: every Lopti stage and mini-batch, cfg's optimiser)
-    from the same weights, optimiser state and batch, measured by update_counts (`measure()`: the pass that gave
-    `before`), after which weights and optimiser state are restored bit for bit. A difference between two methods is
-    then theirs, not their batches' or trajectories'."""
-    weights, state, out = {k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(optimizer.state_dict()), {}
+    """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch, counted against
+    `before` by `measure()` (the same pass), then weights and optimiser state restored bit for bit. A difference
+    between methods is then theirs, not their batches' or trajectories'."""
+    weights, state, out = {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), {}
+    state = copy.deepcopy(state)
     for m in methods:
         update_policy(method_config(cfg, m), logprob_fn, optimizer, batch)
         out[m] = update_counts(before, measure(), batch["advantages"], batch["mask"], batch["old_logprobs"])
@@ -420,9 +410,8 @@ def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
-    """From paired_counts of several units (steps, or each seed's summed steps), per method and bin: its share of
-    A > 0 tokens that rose minus the reference's (the same tokens in each unit), with a 95 % percentile bootstrap
-    over the units; 'resolved' where that interval excludes 0."""
+    """Per method and bin, from paired_counts of units (steps, or seeds' sums): its share of A > 0 tokens that rose
+    minus the reference's, a 95 % bootstrap interval over units, and 'resolved' where it excludes 0."""
     n = torch.tensor([u[reference]["update/pos_tokens"] for u in units], dtype=torch.float64)  # (U, 4)
     pick = torch.randint(len(units), (resamples, len(units)), generator=torch.Generator().manual_seed(0))  # (R, U)
     out = {}
@@ -437,10 +426,9 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
 
 
 def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> dict:
-    """Figure 1 (a) and (d) on one scored batch (update_policy's): per bin, the share of the response tokens (and of
-    those with A != 0), and the norm of GRPO's gradient (no AR, no KL) at pi = pi_old with only that bin's
-    advantages kept ("all": every token's). The loss is linear in A at ratio 1, so the bins' gradients add up to the
-    all-token one. pi_old is logprob_fn's own forward, so the ratio is exactly 1 in any precision."""
+    """Figure 1 (a) and (d) on one batch: per bin, the share of response tokens, and the norm of GRPO's gradient at
+    ratio 1 (pi_old from this forward) with only that bin's advantages kept; at ratio 1 the loss is linear in A, so
+    the bins' gradients add up to the all-token one ("all")."""
     params, mask = [p for p in model.parameters() if p.requires_grad], batch["mask"].bool()
     masks, n = bin_masks(batch["old_logprobs"], mask), mask.sum()  # (4, B, T)
     grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
@@ -455,8 +443,8 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
                 g += d
     norm = lambda gs: math.sqrt(sum(float(g.double().square().sum()) for g in gs))  # noqa: E731
     share = lambda m: [float((k & m).sum() / m.sum()) if m.any() else None for k in masks]  # noqa: E731
-    return {"token_share": {"all": share(mask), "nonzero_advantage": share(mask & (_per_token(batch["advantages"],
-            mask) != 0))}, "grad_norm": {"bins": [norm(g) for g in grads], "all": norm([sum(g) for g in zip(*grads)])}}
+    return {"token_share": share(mask), "grad_norm": {"bins": [norm(g) for g in grads],
+                                                      "all": norm([sum(g) for g in zip(*grads)])}}
 
 
 def pyplot():
@@ -478,8 +466,7 @@ def save_png(plt, fig, path: Path) -> None:
 
 
 def plot_bars(ax, table: dict[str, list], title: str, intervals: dict[str, list] | None = None) -> None:
-    """Grouped bars per bin, a colour per entry of `table` ({label: 4 values}), with 95 % `intervals` if given and
-    the paper's Figure 3 as black markers where a label is one of its methods."""
+    """Bars per bin, a colour per {label: 4 values}, with `intervals` or the paper's Figure 3 as black marks."""
     width = 0.8 / len(table)
     for i, (label, ys) in enumerate(table.items()):
         x = [b - 0.4 + width * (i + 0.5) for b in range(4)]
@@ -496,13 +483,11 @@ def plot_bars(ax, table: dict[str, list], title: str, intervals: dict[str, list]
 
 
 # ====== Toy: Figure 3's mechanism on a linear softmax policy ======
-# V = 1,024 tokens; logits_t = W x_t + b_t. W (V x d), the only trained weight, is shared by every context as an
-# LLM's output layer is; x_t is a fixed random recurrent feature of the whole history, so prefixes rarely repeat;
-# b_t, a fixed "pretrained" bias s (4..11 by previous token) on one bigram token, makes the sampled tokens'
-# probabilities U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all equal the prompt's
-# target, there the *second* most likely token); the rest are "format" tokens, alike in right and wrong responses.
-# The toy only supplies a policy, a task and a reward; the update and the measurements are the ones above.
-# Design and prediction, written before the first run: toy/README.md.
+# logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every context as an LLM's
+# output layer is; x_t, a fixed random recurrent feature of the history (prefixes rarely repeat); b_t, a fixed bias
+# s in [4, 11] on a bigram token, which makes sampled tokens' probabilities U-shaped. The first `decisions` tokens
+# decide an outcome reward (1 iff all equal the prompt's target, there the *second* most likely token); the rest
+# are "format" tokens, alike in right and wrong responses. Design and prediction: toy/README.md.
 
 
 @dataclass(frozen=True)
@@ -529,8 +514,7 @@ TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  #
 
 
 class ToyPolicy(torch.nn.Module):
-    """logits_t = W x_t + b_t. Only W is trained, so a rollout's contexts and biases are computed once (sample) and
-    every pass over it is one matmul."""
+    """Only W is trained: a rollout's contexts and biases are computed once (sample), a pass is one matmul."""
 
     def __init__(self, s: ToySettings, seed: int):
         super().__init__()
@@ -580,8 +564,8 @@ def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, torch.Tensor]
 
 
 def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
-    """A trajectory of `method` on seed `seed`'s task: the reward and the own update's counts per step and, for
-    `paired` methods, their paired_counts at every step (with the own update's counts under `method`)."""
+    """A trajectory of `method` on seed `seed`'s task: per step the reward, the update's counts, and the `paired`
+    methods' paired_counts (with the own update's under `method`)."""
     net, gen, B = ToyPolicy(s, seed), torch.Generator().manual_seed(seed), s.prompts * s.group
     cfg = method_config(Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
                                beta=0.0, temperature=1.0, num_generations=s.group, prompts_per_step=s.prompts,
@@ -600,7 +584,7 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
 
 
 def run_toy(s: ToySettings) -> dict:
-    """Every part of the toy for settings `s`; a pure function of `s` (with torch's thread count fixed)."""
+    """Every part of the toy; a pure function of `s` (with torch's threads fixed)."""
     runs = {m: [toy_trajectory(s, m, s.seed + i, TOY_PAIRED if m == "grpo" else ()) for i in range(s.seeds)]
             for m in TOY_OWN_RUNS}
     net = ToyPolicy(s, s.seed)
@@ -622,7 +606,8 @@ def toy_main(args: argparse.Namespace) -> dict:
     """`python lopti.py toy`: run, print the checks, write results.json and toy.png to --out."""
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if getattr(args, f.name, None) is not None}
     s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
-    out, threads, t0 = args.out or Path("runs/toy" if given or args.quick else "toy"), torch.get_num_threads(), time.time()
+    out = args.out or Path("runs/toy" if given or args.quick else "toy")
+    threads, t0 = torch.get_num_threads(), time.time()
     torch.set_num_threads(1)  # faster for these small matrices, and the same float sums on every machine
     try:
         r = run_toy(s)
@@ -653,8 +638,8 @@ def toy_main(args: argparse.Namespace) -> dict:
 
 
 # ====== Knights and Knaves: the paper's task (Logic-RL's data and reward) ======
-# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic, hub K-and-K/knights-and-knaves) as Logic-RL ships it
-# (the official code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py (also in AR-Lopti).
+# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic) as Logic-RL ships it (the official code's
+# data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py, as in AR-Lopti.
 
 KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
@@ -672,7 +657,7 @@ KK_SYSTEM_PROMPTS = {
         "and knaves, who always lie. Reason about it briefly after <think>, and close your reasoning with </think>. "
         "Then write <answer>, say for each person whether they are a knight or a knave, and close with </answer>."),
 }
-KK_NAMES = tuple((  # the benchmark's name list (all 51 occur in the official rows)
+KK_NAMES = tuple((  # the benchmark's 51 names
     "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin Amelia "
     "Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia Logan Avery "
     "Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley Matthew Aria "
@@ -681,7 +666,7 @@ KK_NAMES = tuple((  # the benchmark's name list (all 51 occur in the official ro
 _KK_PREAMBLE = ("A very special island is inhabited only by knights and knaves. "
                 "Knights always tell the truth, and knaves always lie. ")
 _KK_QUESTION = "So who is a knight and who is a knave?"
-_KK_SAYINGS = (  # the benchmark's 18 speech templates, each seen in the official rows
+_KK_SAYINGS = (  # the benchmark's 18 speech templates
     "{name} said that {content}.", "{name} told you that {content}.", '{name} said, "{content}."',
     '{name} stated, "{content}".', 'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
     '{name} remarked, "{content}".', '"{content}," {name} declared.', '{name} was heard saying, "{content}".',
@@ -689,7 +674,7 @@ _KK_SAYINGS = (  # the benchmark's 18 speech templates, each seen in the officia
     '{name} asserted: "{content}".', '"{content}," {name} mentioned.', '{name} commented, "{content}".',
     'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
 )
-KK_FEATURES = datasets.Features({  # one schema for generated and loaded puzzles
+KK_FEATURES = datasets.Features({  # generated and loaded puzzles alike
     "quiz": datasets.Value("string"), "names": datasets.List(datasets.Value("string")),
     "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
     "solution_text": datasets.Value("string"),
@@ -750,14 +735,14 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
 
 
 def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0) -> datasets.Dataset:
-    """`n` puzzles with exactly one solution, in the official schema; num_people: an int or an inclusive (lo, hi)
-    range within 2..8 drawn per puzzle. All from random.Random(seed); as in the benchmark, no statements repeat."""
+    """`n` puzzles with exactly one solution, in the official schema, of num_people (an int, or (lo, hi) drawn per
+    puzzle) within 2..8. As in the benchmark, no statements repeat."""
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= 8, f"num_people must lie within 2..8, got {num_people}"
     rng, seen, rows = random.Random(seed), set(), []
     for _ in range(n):
         k = rng.randint(lo, hi)
-        for _try in range(10_000):  # two-person puzzles run out after a few hundred distinct ones
+        for _try in range(10_000):  # (2-person puzzles run out after a few hundred)
             statements = tuple(_kk_statement(rng, k, i) for i in range(k))
             if statements not in seen and len(solutions := kk_solve(statements)) == 1:
                 break
@@ -767,7 +752,8 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
         names = rng.sample(KK_NAMES, k)
         said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_text(names, s))
                         for i, s in enumerate(statements))
-        quiz = f"{_KK_PREAMBLE}You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}. {said} {_KK_QUESTION}"
+        people = f"You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}."
+        quiz = f"{_KK_PREAMBLE}{people} {said} {_KK_QUESTION}"
         text, text_format = _kk_solution_texts(names, solutions[0])
         rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
                      "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
@@ -775,8 +761,7 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
 
 
 def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
-    """{name: "knight" | "knave"} from a ground truth like "(1) Amelia is a knight\\n(2) ...", by Logic-RL's
-    parse_solution_text_format: per line, the first word of letters and the next knight/knave."""
+    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex, line by line."""
     roles = {}
     for line in solution_text_format.split("\n"):
         if m := re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.IGNORECASE):
@@ -789,8 +774,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _kk_row(row: dict) -> dict:
-    """One loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
-    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL keeps the answer here
+    """A loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
+    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL's rows keep them here
     text_format, statements = (row.get(k) or truth.get(k) for k in ("solution_text_format", "statements"))
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
         as_tuple = lambda x: tuple(map(as_tuple, x)) if isinstance(x, list) else x  # noqa: E731
@@ -805,9 +790,8 @@ def _kk_row(row: dict) -> dict:
 
 
 def kk_load(source: str) -> datasets.Dataset:
-    """K&K puzzles, checked row by row, from a local .parquet, .jsonl or .json file in the K&K benchmark's format
-    (quiz, statements, solution_text_format, ...) or Logic-RL's (reward_model.ground_truth holds the last two), or
-    from a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]", e.g. "K-and-K/knights-and-knaves:test/3ppl". A file or row
+    """K&K puzzles, row by row checked, from a .parquet/.jsonl/.json file in the benchmark's or Logic-RL's format,
+    or a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" (e.g. "K-and-K/knights-and-knaves:test/3ppl"). A file or row
     that cannot be read raises one ValueError naming it."""
     suffix = Path(source).suffix.lower()
     try:
@@ -818,7 +802,7 @@ def kk_load(source: str) -> datasets.Dataset:
             name, _, selection = source.partition(":")
             config, _, split = selection.rpartition("/")
             ds = datasets.load_dataset(name, config or None, split=split or "train")
-    except Exception as e:  # datasets' errors (no file, bad JSON or parquet, no network) name little
+    except Exception as e:  # (no file, bad JSON or parquet, no network: datasets' errors name little)
         raise ValueError(f"cannot read K&K puzzles from {source!r} ({_first_line(e)})") from e
     rows = []
     for i, row in enumerate(ds):
@@ -832,8 +816,7 @@ def kk_load(source: str) -> datasets.Dataset:
 
 
 def kk_prompt(tokenizer, quiz: str, prompt: str = "paper") -> str:
-    """The prompt text of one quiz: the chat template over [a system prompt (KK_SYSTEM_PROMPTS), quiz + "\\n"], then
-    THINK_PREFIX. The "\\n" is Logic-RL's: a Qwen2.5 template reproduces its prompts byte for byte."""
+    """The chat template over [system prompt, quiz + "\\n"], then THINK_PREFIX: Logic-RL's prompt byte for byte."""
     messages = [{"role": "system", "content": KK_SYSTEM_PROMPTS[prompt]}, {"role": "user", "content": quiz + "\n"}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + THINK_PREFIX
 
@@ -842,8 +825,8 @@ _KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 def _kk_answer(completion: str) -> str | None:
-    """Logic-RL's view of a completion (its text after the first "Assistant:", if any): None unless each tag occurs
-    exactly once and in order, else the text inside <answer> ... </answer>."""
+    """The text inside <answer></answer>, or None unless each tag occurs once and in order (Logic-RL's check, on
+    the text after the first "Assistant:")."""
     text = completion.split("Assistant:", 1)[-1]
     at = [text.find(tag) for tag in _KK_TAGS]
     if any(text.count(tag) != 1 for tag in _KK_TAGS) or at != sorted(at):
@@ -862,10 +845,9 @@ def _kk_named_role(name: str, answer: str) -> str | None:
 
 
 def kk_reward(completion: str, solution_text_format: str) -> float:
-    """Logic-RL's reward of one completion (with the pre-filled THINK_PREFIX in front): 3 correct, -0.5 wrong, -1
-    unreadable answer, -3 format error. Format +1 iff each tag occurs exactly once and in order, else -1 and the
-    answer is not read (-2). Answer: the "knight"/"knave" substrings must number the people and every name must
-    match NAME is a knight|knave, else -2; then +2 if every role is right, else -1.5."""
+    """Logic-RL's reward (the completion with THINK_PREFIX): format +1 if _kk_answer reads, else -1 and -2 for the
+    answer. Answer: -2 unless the knight/knave words number the people and each name matches "NAME is a
+    knight|knave"; else +2 if all are right, -1.5 if not. Totals: 3 correct, -0.5 wrong, -1 unreadable, -3."""
     truth, answer = kk_parse_solution(solution_text_format), _kk_answer(completion)
     if answer is None:
         return KK_FORMAT_ERROR
@@ -876,10 +858,9 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
 
 
 def kk_format_credit(completion: str, solution_text_format: str) -> float:
-    """Partial credit in [0, 1] toward an answer Logic-RL can read, for the *training* reward only (Config.format_
-    reward; ours: the paper's 3B model formats without help). Half for the tags: 1/8 for each of </think>, <answer>,
-    </answer> once, 1/8 for all four once and in order. Half for the share of people named "NAME is a knight|knave"
-    after the first <answer> (up to </answer>), none if it holds more role words than people."""
+    """Credit in [0, 1] toward an answer Logic-RL can read, for the training reward only (ours; the paper's 3B model
+    formats without help): 1/8 for each of </think>, <answer>, </answer> once and 1/8 for all tags in order; 1/2 for
+    the share of people named "NAME is a knight|knave" after <answer>, if no more role words than people."""
     names, text = list(kk_parse_solution(solution_text_format)), completion.split("Assistant:", 1)[-1]
     credit = sum(text.count(tag) == 1 for tag in _KK_TAGS[1:]) / 8 + (_kk_answer(completion) is not None) / 8
     answer = text.split("<answer>", 1)[1].split("</answer>", 1)[0] if "<answer>" in text else ""
@@ -890,8 +871,7 @@ def kk_format_credit(completion: str, solution_text_format: str) -> float:
 
 def kk_rewards(completions: list[str], solutions: list[str], format_reward: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For completions as generated after THINK_PREFIX: Logic-RL's rewards (B,), which judge every run, and the
-    training rewards (B,), which add format_reward * kk_format_credit (0, the paper's setting, adds nothing)."""
+    """Logic-RL's rewards (B,), which judge every run, and the training rewards (B,): + format_reward * credit."""
     texts = [THINK_PREFIX + c for c in completions]
     rewards = torch.tensor([kk_reward(t, s) for t, s in zip(texts, solutions)])  # (B,)
     credit = torch.tensor([kk_format_credit(t, s) if format_reward else 0.0 for t, s in zip(texts, solutions)])
@@ -899,9 +879,8 @@ def kk_rewards(completions: list[str], solutions: list[str], format_reward: floa
 
 
 def constant_accuracy(rows) -> float:
-    """The accuracy of the best constant answer on K&K `rows`: per number of people, the one assignment by position
-    (e.g. "(1) knave, (2) knave") that is right most often, given to every puzzle of that size. A model's accuracy
-    means something only above it."""
+    """The accuracy of the best constant answer (per size, the roles by position right most often, e.g. "(1) knave
+    (2) knave"): a model's accuracy means something above it."""
     best: dict[int, int] = {}
     for solution, count in collections.Counter(tuple(s) for s in rows["solution"]).items():
         best[len(solution)] = max(best.get(len(solution), 0), count)
@@ -909,9 +888,9 @@ def constant_accuracy(rows) -> float:
 
 
 def load_task_data(cfg: Config):
-    """Training and evaluation rows; evaluation puzzles never appear in training."""
+    """Training and evaluation rows; no evaluation puzzle is a training one."""
     lo, hi = people_range(cfg.num_people)
-    train = (kk_generate(cfg.num_train, (lo, hi), cfg.seed) if cfg.train_data == "generate" else kk_load(cfg.train_data))
+    train = kk_generate(cfg.num_train, (lo, hi), cfg.seed) if cfg.train_data == "generate" else kk_load(cfg.train_data)
     evals = (datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
                                             for n in range(lo, hi + 1)])
              if cfg.eval_data == "generate" else kk_load(cfg.eval_data))
@@ -923,7 +902,7 @@ def load_task_data(cfg: Config):
 
 
 # ====== The LLM run: rollout -> reward -> group advantage -> pi_old -> update -> Figure 3, on K&K ======
-# Model I/O and log-probs first; then train_step, one RL step (Algorithm 1), and train(), the loop around it.
+# Model I/O and log-probs; then train_step, one RL step (Algorithm 1), and train(), the loop around it.
 
 
 def pick_device() -> torch.device:
@@ -931,20 +910,19 @@ def pick_device() -> torch.device:
 
 
 def has_bf16(device: torch.device) -> bool:
-    """A GPU with native bf16 (a T4 emulates it: fp32 there). LOPTI_CPU_BF16=1 takes the bf16 path on CPU (tests)."""
+    """A GPU with native bf16 (a T4 has none: fp32). LOPTI_CPU_BF16=1: the bf16 path on CPU, for tests."""
     if device.type == "cpu":
         return os.environ.get("LOPTI_CPU_BF16") == "1"
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def autocast(device: torch.device, enabled: bool = True):
-    """bf16 autocast where the GPU has bf16. The parameters and AdamW's state stay fp32: an update at lr 1e-6 is
-    below bf16's resolution, so bf16 weights would barely move."""
+    """bf16 autocast where the GPU has it; weights and AdamW's state stay fp32 (an lr 1e-6 step is below bf16's)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and has_bf16(device))
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A causal LM (hub id or folder) with SDPA attention and dropout off (it would make the first ratio != 1)."""
+    """A causal LM with SDPA attention and dropout off (it would make the first ratio != 1)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
     for module in model.modules():
@@ -956,7 +934,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
 
 
 def load_tokenizer(name: str):
-    """The model's tokenizer, left-padding (for generate), with a pad token (EOS if it has none)."""
+    """Left-padding (for generate), with a pad token."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(name)
     tokenizer.padding_side = "left"
@@ -965,14 +943,15 @@ def load_tokenizer(name: str):
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response: the generation config's (Qwen has two) and the tokenizer's."""
+    """Every id that ends a response (Qwen has two)."""
     ids = model.generation_config.eos_token_id
-    return sorted(set([] if ids is None else [ids] if isinstance(ids, int) else ids) | {tokenizer.eos_token_id} - {None})
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
 
 
 def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The response tokens, from positions: up to and including the first EOS; and (B,) truncated: no EOS. From
-    token values instead (tokens != pad), the EOS is dropped when pad == EOS and the model never learns to stop.
+    """The response tokens, from positions: up to and including the first EOS; and (B,) truncated (no EOS). From
+    values (tokens != pad) the EOS is lost when pad == EOS, and the model never learns to stop.
     Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
         -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]"""
     is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device)).long()  # (B, C)
@@ -980,9 +959,8 @@ def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torc
 
 
 def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Prefix sharing: a GRPO group's G rows share their prompt, so its forward (and backward) runs once per
-    distinct prompt and the KV cache is indexed back to every row, differentiably. Returns the cache of the
-    left-padded prefixes (B, L) and the final hidden state of their last position (B, 1, H)."""
+    """Prefix sharing: a group's G rows share a prompt, so its forward (and backward) runs once per distinct prompt
+    and the KV cache is indexed back to every row, differentiably. Returns it and the last hidden state (B, 1, H)."""
     L = input_ids.shape[1]
     rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)  # (U, 2L)
     out = model.base_model(input_ids=rows[:, :L], attention_mask=rows[:, L:], use_cache=True,
@@ -993,10 +971,10 @@ def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
                       temperature: float) -> torch.Tensor:
-    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows (B, C). Position ids come
-    from the attention mask as generate() made them, so a padded row scores as it would alone. The decoder (HF's
-    base_model) runs once, a shared prompt once per group, and token_logprobs applies the output layer in chunks.
-    (Models that rescale logits after the output layer, as Gemma 2's softcapping, would need that step too.)"""
+    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows (B, C). Position ids from
+    the attention mask, as generate() made them: a padded row scores as it would alone. The decoder runs once (a
+    shared prompt once per group), the output layer in chunks. (Logits rescaled after it, as Gemma 2's, would be
+    wrong.)"""
     C, head = num_completion, model.get_output_embeddings()
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
@@ -1013,8 +991,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """End each row's `mask` (B, C) at the token that completes the text `stop`, as generate's stop_strings would;
-    later tokens are padding. Returns (mask, stopped (B,))."""
+    """Each row's `mask` ended at the token that completes the text `stop`; and (B,) stopped."""
     mask, stopped = mask.clone(), torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
     for i, row in enumerate(completions.tolist()):
         pieces = tokenizer.batch_decode([[t] for t in row[:int(mask[i].sum())]])
@@ -1028,15 +1005,15 @@ def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) 
 
 @torch.no_grad()
 def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False) -> dict:
-    """A completion per prompt, sampled from pi_old = softmax(z / T): no top-k, top-p or repetition penalty from the
-    model's generation config, since pi_old must be what the tokens were drawn from. Returns the left-padded
-    `input_ids` and `attention_mask` (B, P + C), the completion `mask` (B, C), `truncated` (B,) and `texts`."""
+    """A completion per prompt from pi_old = softmax(z / T): no top-k, top-p or repetition penalty, as pi_old must
+    be what the tokens were drawn from. Returns `input_ids`, `attention_mask` (B, P + C), the completion `mask`
+    (B, C), `truncated` (B,) and `texts`."""
     from transformers import GenerationConfig
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos_ids = eos_token_ids(model, tokenizer)
-    # Qwen's generation config has top_p 0.8, top_k 20, repetition_penalty 1.05, and generate() fills a field given
-    # at its library default from the model's: the model's config is swapped for this one while generating.
+    # Qwen's generation config has top_p 0.8, top_k 20, repetition_penalty 1.05, and generate() fills a field left
+    # at its default from it: the model's config is swapped for this one while generating.
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
                                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
                                **({} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)))
@@ -1045,8 +1022,9 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
         for i in range(0, len(prompts), cfg.generation_batch_size or len(prompts)):  # chunks bound the KV cache
             ids = enc["input_ids"][i:i + (cfg.generation_batch_size or len(prompts))]  # (b, P)
             att = enc["attention_mask"][i:i + len(ids)]
+            shared = len(torch.unique(ids, dim=0)) < len(ids)
             with autocast(device):  # a group's prompt runs once (prefix_cache), not G times
-                cache = prefix_cache(model, ids[:, :-1], att[:, :-1])[0] if len(torch.unique(ids, dim=0)) < len(ids) else None
+                cache = prefix_cache(model, ids[:, :-1], att[:, :-1])[0] if shared else None
                 parts.append(model.generate(input_ids=ids, attention_mask=att, generation_config=gen_cfg,
                                             cache=cache)[:, ids.shape[1]:])  # (b, C_i)
     finally:
@@ -1065,8 +1043,8 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
 
 
 def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
-    """sequence_logprobs of a micro-batch's completions (b, C), run only up to its longest (`mask`): exact, since
-    attention is causal, and one long completion no longer costs every micro-batch. Later columns get 0."""
+    """sequence_logprobs (b, C) of a micro-batch, run only up to its longest completion (exact: attention is
+    causal); later columns are 0."""
     C, cols = micro["mask"].shape[1], micro["mask"].any(0).nonzero()
     c = int(cols[-1]) + 1 if len(cols) else 1
     end = micro["input_ids"].shape[1] - C + c
@@ -1077,8 +1055,7 @@ def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None,
                      fp32: bool = False) -> torch.Tensor:
-    """No-grad log-probs of the completions (B, C), micro-batched: pi_old, the reference's, or Figure 3's pass. Only
-    `rows` ((B,) bool) are computed if given; the rest stay 0. `fp32`: no bf16 autocast."""
+    """No-grad log-probs (B, C): pi_old's, the reference's or Figure 3's pass; only `rows` if given (else 0)."""
     model.eval()
     out = torch.zeros(batch["mask"].shape, device=batch["mask"].device)  # (B, C)
     index = torch.arange(len(out)) if rows is None else rows.nonzero().squeeze(1).cpu()
@@ -1090,8 +1067,7 @@ def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[str, float]:
-    """Greedy K&K accuracy (share of reward 3), overall and per number of people, the mean reward per number of
-    people, and the accuracy of the best constant answer on the same rows (constant_accuracy)."""
+    """Greedy accuracy (share of reward 3) and mean reward per size, and the best constant answer's accuracy."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
@@ -1099,7 +1075,8 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
         texts = rollout(model, tokenizer, prompts, cfg, device, greedy=True)["texts"]
         rewards += kk_rewards(texts, chunk["solution_text_format"])[0].tolist()
         sizes += chunk["num_people"]
-    out = {"eval/accuracy": rewards.count(KK_MAX_REWARD) / len(rewards), "eval/constant_accuracy": constant_accuracy(rows)}
+    out = {"eval/accuracy": rewards.count(KK_MAX_REWARD) / len(rewards),
+           "eval/constant_accuracy": constant_accuracy(rows)}
     for n in sorted(set(sizes)):
         r = [x for x, k in zip(rewards, sizes) if k == n]
         out.update({f"eval/accuracy_{n}ppl": r.count(KK_MAX_REWARD) / len(r), f"eval/reward_{n}ppl": sum(r) / len(r)})
@@ -1107,7 +1084,7 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """CUDA: the allocator's reserved peak since the last call (which resets it). CPU: the process's peak RSS."""
+    """CUDA: the reserved peak since the last call. CPU: the process's peak RSS."""
     if device.type != "cuda":
         import resource  # ru_maxrss: KiB on Linux
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -1118,9 +1095,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device: torch.device,
                probe: Callable | None = None) -> dict:
-    """One RL step (Algorithm 1) on K&K rows; its metrics, with the first prompt's G completions under "samples".
-    `probe(batch, logprob_fn, measure, before)` runs before the update (diagnose's measurements); without an
-    optimizer there is no update."""
+    """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions ("samples").
+    `probe(batch, logprob_fn, measure, before)` runs before the update (diagnose); no optimizer, no update."""
     G, t0 = cfg.num_generations, time.perf_counter()
     batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q, cfg.prompt) for q in rows["quiz"] for _ in range(G)],
                     cfg, device)
@@ -1132,8 +1108,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
     batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C), fixed for the step
     if ref_model is not None:
         batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)
-    # Figure 3 compares pi before and after the update by one pass, so that an unmoved token compares equal: pi_old's,
-    # or under bf16 an fp32 pass, as bf16's rounding (0.4 %) exceeds what an update at lr 1e-6 moves a token.
+    # Figure 3: pi before and after the update by one pass (an unmoved token compares equal): pi_old's, or under
+    # bf16 an fp32 pass, as bf16's rounding (0.4 %) exceeds what an update at lr 1e-6 moves a token.
     measure = functools.partial(batched_logprobs, model, batch, cfg, device, needed, has_bf16(device))
     t2 = time.perf_counter()
     before = measure() if has_bf16(device) and cfg.measure_update else batch["old_logprobs"]
@@ -1162,19 +1138,19 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
             "completion_length": batch["mask"].sum(1).float().mean().item(),
             "truncated": batch["truncated"].float().mean().item(), **metrics, "time/rollout": t1 - t0,
             "time/logprobs": t2 - t1, "peak_memory_gb": peak_memory_gb(device),
-            "samples": [{"reward": r, "completion": THINK_PREFIX + t} for r, t in zip(rewards[:G].tolist(), batch["texts"])]}
+            "samples": [{"reward": r, "completion": THINK_PREFIX + t}
+                        for r, t in zip(rewards[:G].tolist(), batch["texts"])]}
 
 
 def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
-    """Row indices of RL step `step`'s prompts (0-based): consecutive slices of per-epoch shuffles, each a pure
-    function of (seed, epoch), so that --resume replays the same data."""
+    """The rows of step `step` (0-based): slices of per-epoch shuffles of (seed, epoch), so --resume replays them."""
     order = lambda e: torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + e))  # noqa
     return [int(order(i // num_rows)[i % num_rows]) for i in range(step * cfg.prompts_per_step,
                                                                    (step + 1) * cfg.prompts_per_step)]
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a .jsonl file; a line torn by a crash mid-write is skipped."""
+    """A .jsonl file's records; a line torn by a crash is skipped."""
     out = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -1185,37 +1161,37 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """A run folder's complete checkpoints, oldest first (checkpoint-STEP.tmp is one being written)."""
+    """A run's complete checkpoints, oldest first."""
     return sorted((p for p in out.glob("checkpoint-*") if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
-    """out/checkpoint-STEP/: model and tokenizer (a folder --model loads) and trainer_state.pt (step, optimiser,
-    RNG), written as checkpoint-STEP.tmp and renamed; only then are older ones removed. A crash at any moment leaves
-    a complete latest checkpoint."""
+    """out/checkpoint-STEP/ (a folder --model loads, with trainer_state.pt), written as .tmp and renamed, then the
+    older ones removed: a crash at any moment leaves a complete latest checkpoint."""
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / "trainer_state.pt")
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               tmp / "trainer_state.pt")
     tmp.rename(final)
     for old in checkpoints(out)[:-1]:
         shutil.rmtree(old)
     return final
 
 
-# What --resume may change: schedule, evaluation, memory settings (the same steps up to float rounding), the folder's
-# place, and the learning rate (to continue a run that diverged; metrics.jsonl logs it).
+# What --resume may change: schedule, evaluation, memory settings (the same steps up to float rounding), the
+# folder's place, and the learning rate (to continue a run that diverged).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
                      "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "measure_update",
                      "learning_rate", "output_dir")
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K. Writes config.json, metrics.jsonl (a line per step, and one per evaluation),
-    samples.jsonl and checkpoint-STEP/ into cfg.output_dir; returns the last checkpoint. Ctrl-C or SIGTERM finishes
-    the step, saves it and exits 130 or 143; a second signal aborts at once, keeping the last checkpoint."""
+    """GRPO (+AR, +Lopti) on K&K: config.json, metrics.jsonl (a line per step and per evaluation), samples.jsonl and
+    checkpoint-STEP/ in cfg.output_dir. Ctrl-C or SIGTERM finishes the step, saves it and exits 130 or 143; a second
+    signal aborts at once, keeping the last checkpoint."""
     out = Path(cfg.output_dir)
     if resume:  # (resolve_config has read config.json: a run's)
         saved = json.loads((out / "config.json").read_text())
@@ -1295,10 +1271,9 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
-    """`python lopti.py diagnose`: Figure 1 (measure_bins) on the first batch of cfg.model; with `steps` > 0, Figure
-    3 paired along `steps` RL steps of one trajectory of cfg's method (a fresh optimiser): each step first applies the
-    other three of GRPO, AR, Lopti and AR+Lopti from the same weights, optimiser state and batch (paired_counts),
-    then the trajectory's own update, whose counts are its method's. Writes the JSON `out`; reads the model only."""
+    """Figure 1 (measure_bins) on cfg.model's first batch; with `steps`, Figure 3 paired along a trajectory of cfg's
+    method (fresh optimiser): each step applies the other three of GRPO, AR, Lopti, AR+Lopti (paired_counts), then
+    its own update. Writes the JSON `out`; the model's folder is only read."""
     cfg = dataclasses.replace(cfg, measure_update=True)
     device, own = pick_device(), method_name(asdict(cfg))
     torch.manual_seed(cfg.seed)
@@ -1318,28 +1293,26 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
 
     for step in range(max(steps, 1)):
         t0, rows = time.perf_counter(), train_rows[step_rows(len(train_rows), cfg, step)]
-        m = train_step(cfg, model, ref_model, tokenizer, optimizer if steps else None, rows, device, probe)
-        if steps:
-            units[-1][own] = {k: v for k, v in m.items() if k.startswith("update/")}
-        print(f"step {step + 1}: reward {m['reward']:.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
-    result["paper"] = {k: PAPER_FIGURES[k] for k in ("token_share", "grad_norm", "pos_rose")}
-    if steps:
-        pooled = {m: pool_counts([u[m] for u in units]) for m in ("grpo", "ar", "lopti", "ar_lopti")}
-        result["figure3_paired"] = {"steps": steps, "delta_vs_grpo": paired_deltas(units), "per_step": units,
-                                    "methods": {m: {k[7:]: v for k, v in c.items()} for m, c in pooled.items()}}
-        for m, c in pooled.items():
-            d = result["figure3_paired"]["delta_vs_grpo"].get(m)
-            print(f"{m}: rose {fmt_list(figure3_shares(c)['rose'])}, ties {fmt_list(figure3_shares(c)['ties'])}"
-                  + (f", minus GRPO's {fmt_list(d['delta'], '+.3f')}" if d else ""))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+        metrics = train_step(cfg, model, ref_model, tokenizer, optimizer if steps else None, rows, device, probe)
+        print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
+        result["paper"] = {k: PAPER_FIGURES[k] for k in ("token_share", "grad_norm", "pos_rose")}
+        if steps:  # the JSON is rewritten after every step: a stopped run keeps its steps
+            units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
+            pooled = {m: pool_counts([u[m] for u in units]) for m in ("grpo", "ar", "lopti", "ar_lopti")}
+            result["figure3_paired"] = {"steps": len(units), "delta_vs_grpo": paired_deltas(units), "per_step": units,
+                                        "methods": {m: {k[7:]: v for k, v in c.items()} for m, c in pooled.items()}}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    for m, c in pooled.items() if steps else ():
+        d = result["figure3_paired"]["delta_vs_grpo"].get(m)
+        print(f"{m}: rose {fmt_list(figure3_shares(c)['rose'])}, ties {fmt_list(figure3_shares(c)['ties'])}"
+              + (f", minus GRPO's {fmt_list(d['delta'], '+.3f')}" if d else ""))
     return result
 
 
 def figure_3(runs: list[Path], out: Path) -> dict:
-    """`python lopti.py fig3 RUN...`: Figure 3 of runs' own updates (their update/ counts), summed per method: per
-    bin the share of A > 0 tokens that rose, that share among those that moved, and the ties; and a PNG. Unpaired: a
-    difference between methods mixes in their trajectories (`diagnose --steps N` pairs them)."""
+    """Figure 3 of runs' own updates, summed per method, and a PNG. Unpaired: a difference between methods mixes in
+    their trajectories (diagnose --steps pairs them)."""
     steps: dict[str, list] = {}
     for run in runs:
         cfg = json.loads((run / "config.json").read_text())
@@ -1347,19 +1320,18 @@ def figure_3(runs: list[Path], out: Path) -> dict:
         steps.setdefault(label, []).extend(r for r in read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r)
     table = {m: {**figure3_shares(pool_counts(s)), "steps": len(s)} for m, s in steps.items()}
     for m, t in [*table.items(), *((f"paper, {m}", {"rose": v}) for m, v in PAPER_FIGURES["pos_rose"].items())]:
-        print(f"{m}: rose {fmt_list(t['rose'])}" + (f"; of those that moved {fmt_list(t['rose_of_moved'])}; ties "
-                                                    f"{fmt_list(t['ties'])} ({t['steps']} steps)" if "ties" in t else ""))
+        more = f"; of the moved {fmt_list(t['rose_of_moved'])}; ties {fmt_list(t['ties'])}" if "ties" in t else ""
+        print(f"{m}: rose {fmt_list(t['rose'])}{more}")
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        plot_bars(ax, {m: t["rose"] for m, t in table.items()}, "Figure 3: share of A>0 tokens that rose (paper: black)")
+        plot_bars(ax, {m: t["rose"] for m, t in table.items()}, "Figure 3: A>0 tokens that rose (paper: black)")
         save_png(plt, fig, out)
     return table
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
-    """`python lopti.py plot RUN...`: reward, format errors, zero-spread groups and greedy accuracy (the best constant
-    answer's dashed) per step, a colour per run."""
+    """Reward, format errors, zero-spread groups and greedy accuracy (the constant answer's dashed) per step."""
     plt = pyplot()
     assert plt is not None, "plot needs matplotlib: pip install matplotlib"
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
@@ -1376,8 +1348,8 @@ def plot_runs(runs: list[Path], out: Path) -> None:
 
 
 # ====== A first read can stop here: TRL, then the command line ======
-# LoptiGRPOTrainer: AR and Lopti inside trl.GRPOTrainer (optional: pip install trl; tested with trl 1.16.0), for
-# multi-GPU runs, DeepSpeed and vLLM. Only what TRL cannot do itself is here: pi_old, AR, the Lopti stages, the loss.
+# LoptiGRPOTrainer: AR and Lopti inside trl.GRPOTrainer (pip install trl; tested with 1.16.0) for multi-GPU runs,
+# DeepSpeed and vLLM. Only what TRL cannot do itself: pi_old, AR, the Lopti stages, the loss.
 
 
 @functools.cache
@@ -1385,12 +1357,9 @@ def _lopti_grpo_trainer_class():
     from trl import GRPOTrainer
 
     class LoptiGRPOTrainer(GRPOTrainer):
-        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1) by lopti's reweight_advantages, lopti_masks and
-        policy_loss. Lopti replays each generation batch through TRL's num_iterations, which the trainer doubles (on
-        a copy of `args`): args.num_iterations keeps its meaning (PPO epochs per pass), and max_steps (optimiser
-        steps) must count both passes. Needs loss_type="dapo" (the token-mean); of TRL's loss options only epsilon,
-        epsilon_high and beta apply. Unlike update_policy, TRL steps the optimiser on a zero gradient (an empty Lopti
-        stage) and divides the advantage by std + 1e-4."""
+        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1). Lopti replays each generation batch through TRL's
+        num_iterations, doubled on a copy of `args`: max_steps counts both passes. Needs loss_type="dapo" (the
+        token-mean). Unlike update_policy, TRL steps on a zero gradient and divides A by std + 1e-4."""
 
         def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
                      lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
@@ -1401,7 +1370,8 @@ def _lopti_grpo_trainer_class():
             if lopti:
                 args = copy.copy(args)
                 args.num_iterations *= 2
-            self.alpha, self.lopti, self.eta, self.lopti_order, self.dual_clip = alpha, lopti, eta, lopti_order, dual_clip
+            self.alpha, self.lopti, self.eta, self.lopti_order = alpha, lopti, eta, lopti_order
+            self.dual_clip = dual_clip
             super().__init__(model, reward_funcs, args=args, **kwargs)
 
         def _logps(self, model, batch: dict, **kwargs) -> torch.Tensor:  # (B, T) at T: TRL's head divides by it
@@ -1418,7 +1388,7 @@ def _lopti_grpo_trainer_class():
                     out["old_per_token_logps"] = self._logps(self.model, out,
                                                              batch_size=self.args.per_device_train_batch_size)
             old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))  # (B, T); else alpha 0
-            out["advantages"] = reweight_advantages(out["advantages"], old, self.alpha)  # (B, T): Eq. 4, before the split
+            out["advantages"] = reweight_advantages(out["advantages"], old, self.alpha)  # (B, T): Eq. 4, then split
             out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T), carried by TRL
             return out
 
@@ -1428,8 +1398,8 @@ def _lopti_grpo_trainer_class():
             if self.lopti and train:  # this micro-step's replay of the generation batch; its first half: stage 1
                 second = self._step // self.args.steps_per_generation % self.num_iterations >= self.num_iterations // 2
                 stage = low if second == (self.lopti_order == "high_first") else mask & ~low
-            # The denominator: TRL's "dapo" one, the generation batch's response tokens on all processes, per process
-            # (DDP averages) and per optimiser step, so the step's mini-batch's tokens in both stages (update_policy's)
+            # TRL's "dapo" denominator per process (DDP averages) and optimiser step: the mini-batch's tokens, in both
+            # stages, as update_policy's
             denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if train:
                 denom = denom * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -1452,9 +1422,8 @@ def __getattr__(name: str):
 # ====== The command line: python lopti.py {toy,train,eval,diagnose,plot,fig3} [--preset NAME] [--field value] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop CPU, under 45 minutes on 2 cores: SmolLM2-135M-Instruct, 2-person puzzles, 128-token completions that
-    # stop at </answer>, no reference model, a 20x learning rate, and the format credit: a 135M model never formats
-    # an answer by chance, so Logic-RL's reward alone gives it nothing to learn from (README: the laptop run)
+    # a laptop, < 45 minutes on 2 cores: a 20x learning rate, no reference model, and the format credit: a 135M
+    # model never formats an answer by chance, so Logic-RL's reward alone teaches it nothing (README)
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
@@ -1497,8 +1466,8 @@ def build_parser() -> argparse.ArgumentParser:
     docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
     kinds = {"float": float, "int": int, "str": str, "bool": _parse_bool}
-    for name, what in (("train", "GRPO (+AR, +Lopti) on Knights and Knaves"), ("eval", "greedy K&K accuracy of a "
-                       "model"), ("diagnose", "Figure 1 and (--steps N) Figure 3 paired, on a model's own rollouts")):
+    for name, what in (("train", "GRPO (+AR, +Lopti) on Knights and Knaves"), ("eval", "greedy K&K accuracy"),
+                       ("diagnose", "Figure 1; with an explicit --steps N, Figure 3 paired over N steps")):
         p = sub.add_parser(name, help=what, argument_default=argparse.SUPPRESS, allow_abbrev=False)
         p.add_argument("--preset", choices=sorted(PRESETS), help="settings for a machine size (PRESETS)")
         for f in fields(Config):
@@ -1506,8 +1475,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{docs[f.name]} (default {f.default!r})")
     sub.choices["train"].add_argument("--resume", action="store_true", help="continue the run in --output_dir from "
                                       f"its latest checkpoint; flags may change only {', '.join(RESUME_MAY_CHANGE)}")
-    sub.choices["diagnose"].add_argument("--steps", dest="paired_steps", type=int, default=0, help="RL steps of "
-                                         "Figure 3 paired (default 0: Figure 1 only)")
     sub.choices["diagnose"].add_argument("--out", type=Path, default=Path("diagnose.json"), help="the JSON to write")
     for name, what in (("plot", "learning curves of runs"), ("fig3", "Figure 3 of runs' own updates, per method")):
         p = sub.add_parser(name, help=what)
@@ -1544,7 +1511,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "train":
                 print(f"done: {train(cfg, resume=getattr(args, 'resume', False))}")
             elif args.command == "diagnose":
-                diagnose(cfg, args.paired_steps, args.out)
+                diagnose(cfg, vars(args).get("steps", 0), args.out)  # (only an explicit --steps, not a preset's)
             else:
                 device = pick_device()
                 model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
