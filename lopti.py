@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -143,7 +144,7 @@ class Config:
                  "lopti_order": (self.lopti_order in ("low_first", "high_first"), "low_first or high_first"),
                  "optimizer": (self.optimizer in ("adamw", "sgd"), "adamw or sgd"),
                  "prompt": (self.prompt in KK_SYSTEM_PROMPTS, " or ".join(KK_SYSTEM_PROMPTS)),
-                 "mini_batch_size": (mini > 0 and B % mini == 0 and mini % self.micro_batch_size == 0,
+                 "mini_batch_size": (mini > 0 and B % mini == 0 and mini % max(self.micro_batch_size, 1) == 0,
                                      f"a divisor of prompts_per_step * num_generations ({B}), x micro_batch_size")}
         for name, (ok, allowed) in rules.items():
             if not ok:
@@ -321,10 +322,11 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
                 if math.isfinite(norm):  # a NaN/inf step would corrupt the weights for good: skipped
                     optimizer.step()
                     norms.append(norm)
-                    losses.append(float(loss_sum))
-        tokens = float((mask & in_pass[:, None].to(mask.device)).sum()), float((stage & active).sum())
-        out.update({f"{name}/{k}": float(v) / max(tokens[k == "kl_ref"], 1.0) for k, v in sums.items()})
-        out.update({f"{name}/loss": sum(losses) / max(len(losses), 1), f"{name}/grad_norm": sum(norms) /
+                    losses.append(loss_sum)  # (a tensor: read once, after the pass)
+        tokens = float((mask & in_pass[:, None].to(mask.device)).sum()), float((stage & active).sum())  # per epoch
+        out.update({f"{name}/{k}": float(v) / max(tokens[k == "kl_ref"] * cfg.num_iterations, 1.0)
+                    for k, v in sums.items()})  # (clips: a share of the pass's rows' tokens)
+        out.update({f"{name}/loss": float(sum(losses)) / max(len(losses), 1), f"{name}/grad_norm": sum(norms) /
                     max(len(norms), 1), f"{name}/token_share": tokens[1] / max(float(active.sum()), 1.0),
                     f"time/update_{name}": time.perf_counter() - t0})
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
@@ -507,6 +509,14 @@ class ToySettings:
     decisions: int = 2  # the first tokens, which decide the reward
     target_gap: float = 0.5  # a target's bias is the bigram token's minus this
 
+    def __post_init__(self):  # a bad --setting is one line (main)
+        for name, ok in (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("alpha", 0 < self.alpha <= 1),
+                         ("vocab", self.vocab >= 2), ("dim", self.dim >= 1), ("prompts", self.prompts >= 1),
+                         ("group", self.group >= 2), ("decisions", 1 <= self.decisions <= self.length),
+                         ("optimizer", self.optimizer in ("adamw", "sgd")), ("target_gap", self.target_gap >= 0)):
+            if not ok:
+                raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
+
 
 TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
 TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
@@ -548,7 +558,7 @@ class ToyPolicy(torch.nn.Module):
 
 
 def toy_logprobs(net: ToyPolicy, batch: dict) -> torch.Tensor:
-    return token_logprobs(net(batch["x"], batch["bias_at"], batch["bias"]), batch["tokens"])  # (B, T), T = 1
+    return token_logprobs(net(batch["x"], batch["bias_at"], batch["bias"]), batch["tokens"])  # (B, T)
 
 
 def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -782,8 +792,8 @@ def _kk_row(row: dict) -> dict:
         statements = repr(as_tuple(statements))
     roles = kk_parse_solution(text_format)
     names, solution = list(roles), [role == "knight" for role in roles.values()]
-    if not row["quiz"] or kk_solve(statements) != [solution]:
-        raise ValueError(f"no quiz, or its statements do not have the unique solution {text_format!r}")
+    if not row["quiz"] or len(names) < 2 or kk_solve(statements) != [solution]:
+        raise ValueError(f"no quiz or people, or its statements do not have the unique solution {text_format!r}")
     return {"quiz": row["quiz"], "names": names, "solution": solution, "statements": statements,
             "solution_text": row.get("solution_text") or _kk_solution_texts(names, solution)[0],
             "solution_text_format": text_format, "num_people": len(names)}
@@ -794,6 +804,8 @@ def kk_load(source: str) -> datasets.Dataset:
     or a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" (e.g. "K-and-K/knights-and-knaves:test/3ppl"). A file or row
     that cannot be read raises one ValueError naming it."""
     suffix = Path(source).suffix.lower()
+    if Path(source).exists() and suffix not in (".parquet", ".jsonl", ".json"):
+        raise ValueError(f"{source!r} is not a .parquet, .jsonl or .json file")
     try:
         if suffix in (".parquet", ".jsonl", ".json"):
             builder = "parquet" if suffix == ".parquet" else "json"
@@ -925,6 +937,10 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
     """A causal LM with SDPA attention and dropout off (it would make the first ratio != 1)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    scaled = {k: v for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 3, Cohere, Granite
+              if (v := getattr(model.config.get_text_config(), k, None)) not in (None, 1)}
+    if scaled:  # sequence_logprobs applies the output layer alone
+        raise ValueError(f"{name} rescales its logits after the output layer ({scaled}): not supported")
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -973,8 +989,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       temperature: float) -> torch.Tensor:
     """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows (B, C). Position ids from
     the attention mask, as generate() made them: a padded row scores as it would alone. The decoder runs once (a
-    shared prompt once per group), the output layer in chunks. (Logits rescaled after it, as Gemma 2's, would be
-    wrong.)"""
+    shared prompt once per group), the output layer in chunks."""
     C, head = num_completion, model.get_output_embeddings()
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
@@ -1196,7 +1211,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     if resume:  # (resolve_config has read config.json: a run's)
         saved = json.loads((out / "config.json").read_text())
         changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
-                   if k not in RESUME_MAY_CHANGE and v != getattr(cfg, k)]
+                   if k not in RESUME_MAY_CHANGE and v != asdict(cfg).get(k)]
         if changed:
             raise ValueError(f"--resume may not change {', '.join(changed)}: start a new --output_dir")
     elif out.exists() and any(out.iterdir()):
@@ -1204,22 +1219,25 @@ def train(cfg: Config, resume: bool = False) -> Path:
     device = pick_device()
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)  # a bad data file fails here, before anything is written
-    ckpt = checkpoints(out)[-1] if resume and checkpoints(out) else None
+    ckpt, state = checkpoints(out)[-1] if resume and checkpoints(out) else None, {"step": 0}
+    if ckpt:
+        try:  # tensors and plain data only: a pickle that would run code is refused
+            state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{ckpt}/trainer_state.pt cannot be loaded safely ({_first_line(e)})") from None
     model, tokenizer = load_model(str(ckpt or cfg.model), device), load_tokenizer(str(ckpt or cfg.model))
     ref_model = None if cfg.beta == 0 else load_model(cfg.model, device, torch.bfloat16 if has_bf16(device) else
                                                       torch.float32).eval().requires_grad_(False)  # frozen
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    optimizer, start = make_optimizer(model, cfg), 0
+    optimizer, start = make_optimizer(model, cfg), state["step"]
     if ckpt:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # tensors and plain data: no code runs
         optimizer.load_state_dict(state["optimizer"])
         for group in optimizer.param_groups:  # --resume may lower it
             group["lr"] = cfg.learning_rate
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-        start = state["step"]
     out.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "samples.jsonl"):  # the lines past the checkpoint are redone: every step once
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(out / name) if r["step"] <= start))
@@ -1254,13 +1272,16 @@ def train(cfg: Config, resume: bool = False) -> Path:
                                  "last checkpoint with --resume --learning_rate LOWER")
             log("samples.jsonl", {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")})
             log("metrics.jsonl", {"step": step, "learning_rate": cfg.learning_rate, **metrics})
-            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
+            saved = bool(cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or bool(stop)
+            if saved:
                 save_checkpoint(out, model, tokenizer, optimizer, step)
-            if stop:
-                print(f"stopped after step {step}, saved: continue with --resume", file=sys.stderr)
-                raise SystemExit(128 + stop["signum"])
-            if due(step):
+            if due(step) and not stop:
                 evaluation(step)
+            if stop:  # (a signal during the evaluation: the step is saved now)
+                if not saved:
+                    save_checkpoint(out, model, tokenizer, optimizer, step)
+                print(f"lopti.py train: stopped after step {step}, saved; continue with --resume", file=sys.stderr)
+                raise SystemExit(128 + stop["signum"])
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
@@ -1365,6 +1386,10 @@ def _lopti_grpo_trainer_class():
                      lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
             Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)  # checks them
             assert args.loss_type == "dapo", "LoptiGRPOTrainer's loss is the token-mean: GRPOConfig(loss_type='dapo')"
+            defaults = {"importance_sampling_level": "token", "delta": None, "top_entropy_quantile": 1.0,
+                        "off_policy_mask_threshold": None}  # TRL options this loss does not apply
+            ignored = {k: getattr(args, k, v) for k, v in defaults.items() if getattr(args, k, v) != v}
+            assert not ignored, f"LoptiGRPOTrainer's loss does not apply {ignored}"
             assert not lopti or args.steps_per_generation % args.gradient_accumulation_steps == 0, \
                 "with Lopti, steps_per_generation must be a multiple of gradient_accumulation_steps"
             if lopti:
@@ -1433,10 +1458,11 @@ PRESETS: dict[str, dict] = {
     "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=100, prompts_per_step=4,
                   num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
                   gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
-    # one 80 GB GPU: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and length, 150 steps
+    # one 80 GB GPU: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and length, 150 steps. Under
+    # bf16 Figure 3's measurement is two fp32 forwards, estimated at 0.65-1.2x a step (H100-A100): off by default
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
                 generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
-                output_dir="runs/gpu"),
+                measure_update=False, output_dir="runs/gpu"),
 }
 
 
@@ -1490,7 +1516,7 @@ def resolve_config(args: dict) -> Config:
     if args.get("resume"):
         out = Path({**base, **explicit}.get("output_dir", Config.output_dir))
         try:
-            base = asdict(Config(**json.loads((out / "config.json").read_text())))
+            base = {**asdict(Config(**json.loads((out / "config.json").read_text()))), "output_dir": str(out)}
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--resume: {out} holds no run of lopti.py ({_first_line(e)})") from e
     return Config(**{**base, **explicit})

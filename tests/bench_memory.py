@@ -1,48 +1,30 @@
 """Peak memory of each phase of one RL step at a preset's real shapes, and the FLOPs and GPU time of a whole step.
 
-    python tests/bench_memory.py --preset colab     # Qwen2.5-0.5B-shaped, fp32, ~5-10 min on 2 CPU cores
-    python tests/bench_memory.py --preset cpu       # SmolLM2-135M-shaped, ~1 min
-    python tests/bench_memory.py --preset gpu       # Qwen2.5-3B-shaped: estimates only (see below)
-    python tests/bench_memory.py --preset colab --set micro_batch_size=2 --json /tmp/colab.json
+    python tests/bench_memory.py --preset cpu       # SmolLM2-135M-shaped, ~1 min on 2 CPU cores
+    python tests/bench_memory.py --preset colab     # Qwen2.5-0.5B-shaped, fp32, ~5-10 min
+    python tests/bench_memory.py --preset gpu       # Qwen2.5-3B-shaped: estimates only
+    python tests/bench_memory.py --preset cpu --set max_completion_length=16 --set micro_batch_size=2   # seconds
 
-Not a test. The model is built from the hub model's config.json, kept here (no hub needed), with random fp32
-weights, exactly as lopti.train holds it: the policy (gradient checkpointing as the preset says), a frozen
-reference model when beta > 0, and AdamW with its state already allocated (as from the second step on). Then one
-micro-batch of each phase runs through lopti's own functions at the preset's shapes, every completion at
-max_completion_length (the worst case; lopti trims each micro-batch to its longest completion):
-  rollout    the KV cache of one generation batch (generation_batch_size rows, or the whole batch) at prompt +
-             max_completion_length tokens, and one decoding step on it (filling the cache token by token on a CPU
-             would take hours; its size is the same);
-  pi_old     lopti.batched_logprobs on one micro-batch (no grad, the policy);
-  reference  the same on the reference model;
-  update     lopti.update_policy on one micro-batch: forward, backward, gradient clip and the AdamW step.
-Each phase's peak is the process's peak resident memory (Linux VmHWM, reset before the phase), so it includes
-the weights, AdamW state, PyTorch's libraries (~0.3-0.5 GB) and whatever the phase allocates.
-
-What a CPU measurement cannot see: the CUDA context (~0.3-0.6 GB on the GPU), the caching allocator's slack
-(fragmentation; often 5-20 % on top), and the attention kernel: here SDPA falls back to the math kernel, which
-materialises a (b, heads, L, L) score matrix for left-padded rows, where a GPU runs a memory-efficient or flash
-kernel without it. A GPU with bf16 (L4, A100, H100) runs under bf16 autocast with a bf16 reference model, so its
-activations and logits chunks take about half of what fp32 here takes, the KV cache three quarters (its keys stay
-fp32), and autocast adds a bf16 copy of the weights (see memory_estimate); a T4 has no bf16 and runs fp32 as
-measured here.
-
-Time is an ESTIMATE from a FLOP count, not a measurement (there is no GPU here): every matmul of the rollout's
-prefill, pi_old, reference and the update (two passes with Lopti, a recomputed forward with gradient
-checkpointing, the output layer recomputed in backward) at --util of the GPU's dense peak; the rollout's decoding
-steps at the larger of their FLOPs and their memory traffic (the weights, as bf16 casts under autocast, and the KV
-cache, at 70 % of peak bandwidth), plus --decode-overhead-ms per layer per token for HF generate's Python and
-kernel launches. generate runs every row of a generation batch until its longest completion ends, taken as
-max_completion_length; the scoring passes (pi_old, reference, update) run each micro-batch to its longest
-completion, max_completion_length unless --mean-completion says otherwise. By default, then, an upper bound.
-
-The gpu preset (3B, 4k tokens) cannot be measured here: its fp32 weights, gradients and AdamW state alone are
-49 GB, and this machine has 24 GB. Its memory is memory_estimate's formula, which the table prints next to the
-measurement for the presets that are measured, so its error there can be seen.
+Not a test. The model is built from the hub model's config.json, kept here (no hub), with random fp32 weights, held
+as lopti.train holds it: the policy (gradient checkpointing as the preset says), a frozen reference model when
+beta > 0, and AdamW with its state allocated (as from the second step on). One micro-batch of each phase then runs
+through lopti's functions, every completion at max_completion_length (the worst case):
+  rollout    the KV cache of one generation batch at prompt + max_completion_length tokens, and one decoding step
+             on it (filling it token by token on a CPU would take hours; its size is the same);
+  pi_old     lopti.batched_logprobs on one micro-batch (no grad); reference: the same on the reference model;
+  update     lopti.update_policy on one micro-batch: forward, backward, gradient clip and the optimiser step.
+A phase's peak is the process's peak resident memory (Linux VmHWM, reset before it): weights, AdamW state and
+PyTorch's libraries included. A CPU cannot show the CUDA context (~0.3-0.6 GB), the caching allocator's slack, or
+the GPU's attention kernels (SDPA's math kernel here materialises (b, heads, L, L) scores for left-padded rows); a
+bf16 GPU runs under autocast (activations about half, plus a bf16 copy of the weights: memory_estimate).
+Time is an ESTIMATE from a FLOP count (matmuls at --util of the dense peak; decoding at the larger of its FLOPs and
+its memory traffic, plus --decode-overhead-ms per layer per token), an upper bound by default: generate and the
+scoring passes taken to run to max_completion_length (--mean-completion to change the latter).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -128,7 +110,7 @@ def memory_estimate(cfg, s: dict, prompt_len: int, nbytes: int) -> dict:
     N, b, C = s["params"], cfg.micro_batch_size, cfg.max_completion_length
     B = cfg.prompts_per_step * cfg.num_generations
     groups = -(-b // cfg.num_generations)  # a micro-batch's distinct prompts: lopti runs each once ...
-    tokens = b * C + prompt_len * groups  # ... except under gradient checkpointing (tokens_ckpt)
+    tokens = b * C + prompt_len * groups  # ... except in the update's forward under gradient checkpointing
     tokens_ckpt = b * (prompt_len + C) if cfg.gradient_checkpointing else tokens
     base = RUNTIME_GB * 2**30 + 4 * N + 8 * N + (nbytes * N if cfg.beta > 0 else 0)  # policy, AdamW, reference
     cast = 2 * N if nbytes == 2 else 0  # autocast's bf16 copy of the policy's weights
@@ -138,7 +120,7 @@ def memory_estimate(cfg, s: dict, prompt_len: int, nbytes: int) -> dict:
     kv = s["layers"] * s["kv"] * s["hd"] * (key_bytes + nbytes) * (cfg.generation_batch_size or B) * (prompt_len + C)
     stored = s["layers"] * tokens_ckpt * (s["H"] * nbytes if cfg.gradient_checkpointing else layer)
     gb = 2**30
-    return {"rollout": (base + cast + kv) / gb, "pi_old": (base + cast + tokens_ckpt * layer / 2 + chunk) / gb,
+    return {"rollout": (base + cast + kv) / gb, "pi_old": (base + cast + tokens * layer / 2 + chunk) / gb,
             "reference": (base + tokens * layer / 2 + chunk) / gb if cfg.beta > 0 else None,
             "update": (base + 4 * N + stored + 2 * tokens_ckpt * layer + chunk
                        + (0 if cfg.gradient_checkpointing else cast)) / gb}
@@ -169,7 +151,7 @@ def measure(cfg, prompt_len: int, lopti) -> dict:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().requires_grad_(
         False) if cfg.beta > 0 else None
     optimizer = lopti.make_optimizer(model, cfg)
@@ -210,12 +192,10 @@ def measure(cfg, prompt_len: int, lopti) -> dict:
     if ref is not None:
         batch["ref_logprobs"] = phase("reference", lambda: lopti.batched_logprobs(ref, batch, cfg, device))
     batch["advantages"] = torch.randn(b, generator=g)
-    one = lopti.Config(**{**vars(cfg), "mini_batch_size": b, "lopti": False})  # one micro-batch, one pass
-    completion = getattr(lopti, "completion_logprobs", None) or (  # --lopti of an older version: its own path
-        lambda m, mb, t: lopti.sequence_logprobs(m, mb["input_ids"], mb["attention_mask"], mb["mask"].shape[1], t))
+    one = dataclasses.replace(cfg, prompts_per_step=1, num_generations=b, mini_batch_size=b, lopti=False)  # 1 pass
     model.train()
-    phase("update", lambda: lopti.update_policy(one, lambda mb: completion(model, mb, cfg.temperature), optimizer,
-                                                batch))
+    phase("update", lambda: lopti.update_policy(
+        one, lambda mb: lopti.completion_logprobs(model, mb, cfg.temperature), optimizer, batch))
     return out
 
 
@@ -230,20 +210,16 @@ def main(argv=None) -> None:
     p.add_argument("--mean-completion", type=int, help="tokens of a micro-batch's longest completion, for the "
                    "time of the scoring passes (default max_completion_length: an upper bound)")
     p.add_argument("--estimate-only", action="store_true", help="no measurement (automatic for --preset gpu)")
-    p.add_argument("--lopti", type=Path, help="import this lopti.py instead (e.g. an older version, to compare)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if args.lopti:
-        sys.path.insert(0, str(args.lopti.resolve().parent))
     import torch
 
     import lopti
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = {k: type(getattr(lopti.Config, k))(v) if not isinstance(getattr(lopti.Config, k), bool)
-                 else lopti._parse_bool(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    overrides = bench_step.config_overrides(lopti, args.set)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = lopti.Config(**{**lopti.PRESETS[args.preset], "output_dir": tmp, **overrides})
     s, prompt_len = shape(cfg.model), args.prompt_len or PROMPT_LEN[args.preset]

@@ -83,3 +83,14 @@ def tiny_config(model_dir, out_dir, **overrides):
 def varied_reward(text: str, solution: str) -> float:
     """A stand-in reward with variance inside groups (a random tiny model always scores -3 on K&K)."""
     return float(sum(map(ord, text)) % 5)
+
+
+def fixed_rewards(monkeypatch, values) -> None:
+    """Make lopti.kk_rewards return `values` (B,) as Logic-RL's and the training rewards, whatever was sampled:
+    advantages chosen by the test."""
+    import torch
+
+    import lopti
+
+    r = torch.tensor(values, dtype=torch.float)
+    monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions, format_reward=0.0: (r.clone(), r.clone()))

@@ -1,4 +1,5 @@
-"""The paper's math as pure functions: golden values by hand, invariants, parity, the Sec. 4 bound."""
+"""The paper's maths as pure functions (lopti.py "Core maths"): golden values by hand, invariants, parity with fp64
+references, and the softmax gradient bound of Sec. 4 (Prop. 4.2)."""
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from lopti import group_advantages, lopti_masks, policy_loss, reweight_advantage
 
 
 def test_group_advantages_golden():
+    """GRPO's A = (r - mean) / (unbiased std + eps) per group; equal rewards give exactly 0."""
     # group 1: mean 0.25, unbiased std sqrt(0.75 / 3) = 0.5; group 2: all equal -> 0.
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 3.0, 3.0, 3.0])
     adv = group_advantages(rewards, group_size=4)
@@ -20,6 +22,7 @@ def test_group_advantages_golden():
 
 
 def test_group_advantages_paper_example_and_edge_cases():
+    """G = 8 with one success (+2.47 / -0.35); no 0/eps noise; a group of one; the input is not mutated."""
     adv = group_advantages(torch.tensor([1.0] + [0.0] * 7), group_size=8)  # by hand: +2.47 / -0.35
     assert round(adv[0].item(), 2) == 2.47 and round(adv[1].item(), 2) == -0.35
     # all-equal rewards that are not exactly representable: still exactly 0, never 0/eps noise
@@ -29,18 +32,11 @@ def test_group_advantages_paper_example_and_edge_cases():
     group_advantages(rewards, 2)
     assert rewards.tolist() == [1.0, 2.0]
 
-
-@pytest.mark.parametrize("rewards,g", [
-    (torch.ones(6), 4), (torch.ones(6), 0), (torch.ones(6), 2.0), (torch.ones(2, 3), 3),
-    (torch.tensor([1.0, float("nan")]), 2), (torch.tensor([1.0, float("inf")]), 2)])
-def test_group_advantages_bad_input(rewards, g):
-    with pytest.raises(ValueError):
-        group_advantages(rewards, g)
-
 # ---------------------------------------------------------------- log-probs
 
 
 def test_token_logprobs_golden():
+    """log softmax(z / T)[o] by hand, at T = 1 and T = 2."""
     logits = torch.tensor([[[0.0, math.log(3.0)]]])  # softmax = [1/4, 3/4]
     tokens = torch.tensor([[1]])
     assert token_logprobs(logits, tokens).item() == pytest.approx(math.log(0.75), abs=1e-6)
@@ -52,6 +48,7 @@ def test_token_logprobs_golden():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_matches_fp64_reference(dtype, temperature):
+    """fp32 output equal to an fp64 log_softmax for fp32/bf16/fp16 logits, whatever the chunking."""
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(3, 5, 97, generator=g)).to(dtype)
     tokens = torch.randint(0, 97, (3, 5), generator=g)
@@ -63,6 +60,7 @@ def test_token_logprobs_matches_fp64_reference(dtype, temperature):
 
 
 def test_token_logprobs_gradient_through_chunks():
+    """The gradient through several chunks is log_softmax's gradient."""
     g = torch.Generator().manual_seed(1)
     base = torch.randn(2, 4, 11, generator=g, dtype=torch.float64)
     tokens = torch.randint(0, 11, (2, 4), generator=g)
@@ -73,17 +71,48 @@ def test_token_logprobs_gradient_through_chunks():
     torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-6, rtol=0)
 
 
-def test_token_logprobs_bad_input():
-    with pytest.raises(ValueError):
-        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
-    for t in (0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="temperature"):
-            token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=t)
+def test_token_logprobs_with_a_head_in_chunks_equals_the_full_logits():
+    """With `head`, chunked hidden states (recomputed under autograd) give the full logits' values and gradients."""
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(6, 23, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(23, 6, generator=g))
+    hidden = torch.randn(3, 4, 6, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 23, (3, 4), generator=g)
+    token_logprobs(hidden, tokens, 0.7, chunk_elems=2 * 23, head=head).square().sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    full = token_logprobs(head(hidden), tokens, 0.7)
+    full.square().sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(hidden, tokens, 0.7, chunk_elems=2 * 23, head=head), full)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], head.weight.grad, rtol=1e-5, atol=1e-5)  # (fp32 sums in another order)
+
+
+def test_token_logprobs_resolves_tiny_changes_of_tokens_near_pi_1():
+    """A token with pi = 1 - 5e-6 (logit 25 over 50k logits ~ N(0, 2^2)); all logits move by ~1e-4 noise, which
+    changes log pi by ~1e-10. fp32 log_softmax rounds 1 + rest in steps of 6e-8 and ties every row (Figure 3 would
+    count no rise and no fall); token_logprobs sums in fp64 and gets the sign of an fp64 reference in every row."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 50_000
+    z = 2 * torch.randn(rows, 1, vocab, generator=g)
+    z[..., 0] = 25.0
+    z_new = z + 1e-4 * torch.randn(rows, 1, vocab, generator=g)
+    tokens = torch.zeros(rows, 1, dtype=torch.long)
+    ref = lambda x: torch.log_softmax(x.double(), -1)[..., 0]  # noqa: E731
+    want = (ref(z_new) - ref(z)).sign()
+    assert (want != 0).all() and (ref(z) > -1e-5).all()
+    got = (token_logprobs(z_new, tokens) - token_logprobs(z, tokens)).sign()
+    assert (got == want).float().mean() >= 0.95, (got == want).float().mean()
+    fp32 = torch.log_softmax(z_new, -1)[..., 0] - torch.log_softmax(z, -1)[..., 0]
+    assert (fp32 == 0).float().mean() >= 0.5  # the failure this guards against is real
 
 # ---------------------------------------------------------------- Advantage Reweighting (Eq. 4)
 
 
 def test_reweight_golden():
+    """Eq. 4: A <- (alpha pi_old + 1 - alpha) A, by hand."""
     adv = torch.tensor([2.0, -1.0])
     old = torch.log(torch.tensor([[0.5, 1.0], [0.0, 0.25]]))
     out = reweight_advantages(adv, old, alpha=0.3)
@@ -92,6 +121,7 @@ def test_reweight_golden():
 
 
 def test_reweight_alpha_extremes_and_no_grad():
+    """alpha = 0 is GRPO exactly, alpha = 1 is pi_old * A, and the weight carries no gradient."""
     g = torch.Generator().manual_seed(2)
     adv = torch.randn(4, 6, generator=g)
     old = torch.log(torch.rand(4, 6, generator=g)).requires_grad_()
@@ -100,21 +130,11 @@ def test_reweight_alpha_extremes_and_no_grad():
     torch.testing.assert_close(reweight_advantages(adv, old, 1.0), old.detach().exp() * adv)
     assert not reweight_advantages(adv, old, 0.5).requires_grad  # the weight is a constant
 
-
-@pytest.mark.parametrize("alpha", [-0.1, 1.1, float("nan")])
-def test_reweight_bad_alpha(alpha):
-    with pytest.raises(ValueError, match="alpha"):
-        reweight_advantages(torch.ones(2), torch.zeros(2, 3), alpha)
-
-
-def test_reweight_bad_shape():
-    with pytest.raises(ValueError):
-        reweight_advantages(torch.ones(3), torch.zeros(2, 3), 0.3)
-
 # ---------------------------------------------------------------- Lopti masks (Algorithm 1)
 
 
 def test_lopti_masks_golden():
+    """Algorithm 1's split: low = pi_old < eta, high = the rest, a partition of the mask."""
     old = torch.log(torch.tensor([[0.9, 0.2, 0.6, 1.0], [0.5, 0.49, 0.01, 0.3]]))
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     low, high = lopti_masks(old, mask, eta=0.5)
@@ -123,15 +143,6 @@ def test_lopti_masks_golden():
     assert torch.equal(low | high, mask.bool()) and not (low & high).any()
 
 
-@pytest.mark.parametrize("eta", [0.0, -0.5, 1.5, float("nan")])
-def test_lopti_masks_bad_eta(eta):
-    with pytest.raises(ValueError, match="eta"):
-        lopti_masks(torch.zeros(1, 2), torch.ones(1, 2), eta)
-
-
-def test_lopti_masks_bad_shape():
-    with pytest.raises(ValueError, match="shape"):
-        lopti_masks(torch.zeros(1, 2), torch.ones(1, 3), 0.5)
 
 # ---------------------------------------------------------------- loss
 
@@ -144,6 +155,7 @@ def _golden_batch():
 
 
 def test_policy_loss_golden():
+    """The clipped surrogate with asymmetric and dual clip, token-mean, by hand; and its clip stats."""
     logp, old, adv, mask = _golden_batch()
     loss, stats = policy_loss(logp, old, adv, mask)
     # A = +1: r = 1 -> -1; r = 1.5 -> max(-1.5, -1.24) = -1.24; r = 0.5 -> max(-0.5, -0.8) = -0.5; pad skipped
@@ -151,15 +163,14 @@ def test_policy_loss_golden():
     assert loss.item() == pytest.approx((-1 - 1.24 - 0.5 + 1 + 0.8 + 10 + 1.1) / 7, abs=1e-6)
     assert stats["clip_high"] == pytest.approx(1 / 7)
     assert stats["clip_low"] == pytest.approx(1 / 7)
-    assert stats["clip_dual"] == pytest.approx(1 / 7)
-    expected_kl_old = -sum(math.log(r) for r in [1.0, 1.5, 0.5, 1.0, 0.5, 20.0, 1.1]) / 7
-    assert stats["kl_old"] == pytest.approx(expected_kl_old, abs=1e-6)
+    assert stats["kl_ref"] == 0.0  # no reference model
     # shared denominator: the same sum over 14 tokens
     loss14, _ = policy_loss(logp, old, adv, mask, num_tokens=14)
     assert loss14.item() == pytest.approx(loss.item() * 7 / 14, abs=1e-6)
 
 
 def test_policy_loss_kl_golden():
+    """k3 KL with the official clamps, over kl_mask, with the loss's denominator."""
     logp, old, adv, mask = _golden_batch()
     ref = logp.clone()
     ref[0, 0] += math.log(2.0)  # k3 = 2 - ln 2 - 1
@@ -178,6 +189,7 @@ def test_policy_loss_kl_golden():
 
 
 def test_policy_loss_padding_garbage_gives_no_nan():
+    """-inf in a padded pi_old gives a finite loss and a zero gradient there."""
     logp, old, adv, mask = _golden_batch()
     logp = logp.clone().requires_grad_()
     old = old.clone()
@@ -199,29 +211,16 @@ def test_policy_loss_gradient_is_finite_wherever_the_loss_is(gap):
 
 
 def test_policy_loss_does_not_mutate_inputs():
+    """A pure function: its inputs are unchanged."""
     logp, old, adv, mask = _golden_batch()
     copies = [t.clone() for t in (logp, old, adv, mask)]
     policy_loss(logp, old, adv, mask, ref_logprobs=logp, beta=0.1)
     assert all(torch.equal(a, b) for a, b in zip(copies, (logp, old, adv, mask)))
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(epsilon=-0.1), dict(epsilon_high=-1.0), dict(dual_clip=1.0), dict(dual_clip=0.5),
-    dict(num_tokens=-1), dict(beta=0.1), dict(beta=-0.1, ref_logprobs=torch.zeros(2, 4)),
-    dict(epsilon=float("nan")), dict(epsilon_high=float("inf")), dict(dual_clip=float("inf")),
-    dict(beta=float("inf"), ref_logprobs=torch.zeros(2, 4)), dict(num_tokens=float("nan"))])
-def test_policy_loss_bad_input(kwargs):
-    logp, old, adv, mask = _golden_batch()
-    with pytest.raises(ValueError):
-        policy_loss(logp, old, adv, mask, **kwargs)
 
 
-def test_policy_loss_bad_shapes():
-    logp, old, adv, mask = _golden_batch()
-    with pytest.raises(ValueError, match="shape"):
-        policy_loss(logp, old[:, :3], adv, mask)
-    with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, old, torch.ones(3), mask)
+
 
 # ---------------------------------------------------------------- invariants on gradients
 
@@ -248,6 +247,7 @@ def _grad(weight, x, tokens, loss_fn):
 
 
 def test_lopti_stages_sum_to_grpo_gradient():
+    """At the same weights the low and high stages' gradients (shared denominator, KL per stage) add up to GRPO's."""
     weight, x, tokens, mask, old, ref, adv = _setup()
     adv = reweight_advantages(adv, old, 0.3)
     low, high = lopti_masks(old, mask, eta=0.5)
@@ -262,6 +262,7 @@ def test_lopti_stages_sum_to_grpo_gradient():
 
 
 def test_micro_batches_with_shared_token_count_give_the_same_gradient():
+    """Accumulating micro-batches with the mini-batch's token count is the whole batch's gradient."""
     weight, x, tokens, mask, old, ref, adv = _setup(seed=3)
     n = int(mask.sum())
     full = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.01))
@@ -274,6 +275,7 @@ def test_micro_batches_with_shared_token_count_give_the_same_gradient():
 
 
 def test_alpha_zero_is_grpo_exactly():
+    """AR with alpha = 0 changes no bit of the gradient."""
     weight, x, tokens, mask, old, ref, adv = _setup(seed=4)
     g0 = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv, mask))
     g1 = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, reweight_advantages(adv, old, 0.0), mask))
@@ -293,6 +295,7 @@ def _grad_norm_and_gap(z, j):
 @pytest.mark.parametrize("N", [2, 3, 10, 151])
 @pytest.mark.parametrize("scale", [0.1, 1.0, 5.0, 20.0])
 def test_softmax_gradient_bound_on_random_logits(N, scale):
+    """Prop. 4.2: sqrt(N / (N - 1)) (1 - pi_j) <= ||d log pi_j / dz|| <= sqrt(2) (1 - pi_j)."""
     g = torch.Generator().manual_seed(N * 100 + int(scale * 10))
     lo_k, hi_k = math.sqrt(N / (N - 1)), math.sqrt(2.0)
     for _ in range(50):
@@ -306,6 +309,7 @@ def test_softmax_gradient_bound_on_random_logits(N, scale):
 @pytest.mark.parametrize("N", [2, 5, 100])
 @pytest.mark.parametrize("zj", [-3.0, 0.0, 4.0])
 def test_softmax_gradient_bound_tight_cases(N, zj):
+    """Both bounds of Prop. 4.2 are reached: the rest uniform (lower), the rest on one token (upper)."""
     # lower bound: the rest of the mass uniform over the other N - 1 tokens
     z = torch.zeros(N, dtype=torch.float64)
     z[0] = zj

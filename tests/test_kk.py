@@ -1,6 +1,7 @@
 """Tests of the Knights-and-Knaves section: solver, generator, loader, prompt and Logic-RL's reward.
 
-Expectations come from the official rows in data/kk (see its README) or are written by hand.
+Expectations come from the official rows in data/kk (see its README), from Logic-RL's reward code
+(verl/utils/reward_score/kk.py, transcribed below as an independent reference) or are written by hand.
 """
 import ast
 import json
@@ -8,12 +9,15 @@ import random
 import re
 from pathlib import Path
 
+import datasets
 import pandas as pd
 import pytest
+import torch
 
 import lopti
-from lopti import (KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, kk_format_credit, kk_generate, kk_load,
-                   kk_parse_solution, kk_prompt, kk_reward, kk_solve)
+from lopti import (KK_FEATURES, KK_MAX_REWARD, KK_SYSTEM_PROMPTS, THINK_PREFIX, Config, constant_accuracy,
+                   kk_format_credit, kk_generate, kk_load, kk_parse_solution, kk_prompt, kk_reward, kk_rewards,
+                   kk_solve, load_task_data)
 
 DATA = Path(__file__).parent / "data" / "kk"
 JSONL = {k: DATA / f"{k}ppl_20.jsonl" for k in range(3, 8)}
@@ -21,6 +25,7 @@ PARQUET = DATA / "3ppl_test_new.parquet"
 PREAMBLE = ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, "
             "and knaves always lie. ")
 QUESTION = " So who is a knight and who is a knave?"
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 def official_rows():
@@ -29,9 +34,57 @@ def official_rows():
     return rows + pd.read_parquet(PARQUET).to_dict("records")
 
 
+def jsonl_rows(k=3):
+    return [json.loads(line) for line in JSONL[k].read_text().splitlines()]
+
+
 def wrap(answer):
     """A well-formed completion (pre-filled <think> included) whose answer block is `answer`."""
     return f"<think> reasoning </think><answer> {answer} </answer>"
+
+
+# --- Logic-RL's reward (verl/utils/reward_score/kk.py), transcribed: the reference kk_reward must equal ---
+def logic_rl_parse(solution_text):
+    """parse_solution_text_format: per stripped non-empty line, the first name and role."""
+    status = {}
+    for line in solution_text.split("\n"):
+        line = line.strip()
+        if not line:
+            continue
+        match = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.IGNORECASE)
+        if match:
+            status[match.group(1)] = match.group(2).lower()
+    return status
+
+
+def logic_rl_score(solution_str, solution_text_format):
+    """compute_score(format_reward=1) on the decoded prompt + response, as Logic-RL calls it."""
+    gt = logic_rl_parse(solution_text_format)
+    if "Assistant:" in solution_str:
+        processed = solution_str.split("Assistant:", 1)[1]
+    elif "<|im_start|>assistant" in solution_str:
+        processed = solution_str.split("<|im_start|>assistant", 1)[1]
+    else:
+        processed = solution_str
+    matches = list(re.finditer(r"<answer>(.*?)</answer>", processed, re.DOTALL))
+    answer = matches[-1].group(1).strip() if matches else None
+    positions = [processed.find(tag) for tag in TAGS]
+    format_ok = all(processed.count(tag) == 1 for tag in TAGS) and positions == sorted(positions)
+    answer_score = -2
+    if format_ok and answer:
+        pred = {}
+        if answer.lower().count("knight") + answer.lower().count("knave") == len(gt):
+            for name in gt:
+                m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+                if not m:
+                    pred = None
+                    break
+                pred[name] = m.group(1).lower()
+        else:
+            pred = None
+        if pred:
+            answer_score = 2 if pred == gt else -1.5
+    return (1 if format_ok else -1) + answer_score
 
 
 # --- an independent reader of the benchmark's English, used to check generated and official quizzes ---
@@ -102,20 +155,45 @@ def test_reader_reads_official_quizzes(official_templates):
     assert len(official_templates) == 18  # the benchmark's speech styles, all seen in the rows
 
 
-def test_solver_on_hand_made_puzzles():
-    # A: "B is a knave", B: "A and I are the same kind" -> A knight, B knave only
-    assert kk_solve((("lying", 1), ("<=>", ("telling-truth", 0), ("telling-truth", 1)))) == [[True, False]]
-    # A: "A is a knight" alone is consistent both ways; results in itertools.product order
-    assert kk_solve((("telling-truth", 0),)) == [[True], [False]]
-    assert kk_solve((("lying", 0),)) == []  # "I am a knave" has no solution
-    # A: "I am a knight and B and C are knaves", B: "A is a knave", C: "B is a knight" (3-way "and")
-    assert kk_solve("(('and', ('telling-truth', 0), ('lying', 1), ('lying', 2)), ('lying', 0), "
-                    "('telling-truth', 1))") == [[True, False, False], [False, True, True]]
-    for bad in ["(('maybe', 0),)", "(('lying', 3),)", "(('not', ('lying', 0), ('lying', 0)),)", "()"]:
-        with pytest.raises(ValueError):
-            kk_solve(bad)
+# Two leaves, x = "person 0 is a knight", y = "person 1 is a knave", in the worlds (T,T), (T,F), (F,T), (F,F)
+X, Y = ("telling-truth", 0), ("lying", 1)
+TRUTH_TABLES = {X: [1, 1, 0, 0], Y: [0, 1, 0, 1], ("not", X): [0, 0, 1, 1], ("and", X, Y): [0, 1, 0, 0],
+                ("or", X, Y): [1, 1, 0, 1], ("->", X, Y): [0, 1, 1, 1], ("<=>", X, Y): [0, 1, 1, 0],
+                ("not", ("<=>", X, Y)): [1, 0, 0, 1]}  # (nested)
+
+
+@pytest.mark.parametrize("statement", list(TRUTH_TABLES), ids=str)
+def test_truth_of_leaves_and_operators_by_hand(statement):
+    worlds = [(True, True), (True, False), (False, True), (False, False)]
+    assert [int(lopti._kk_true(statement, w)) for w in worlds] == TRUTH_TABLES[statement]
+
+
+@pytest.mark.parametrize("statements, solutions", [
+    # A: "B is a knave"; B: "A is a knight iff B is a knight" -> A knight, B knave
+    ((("lying", 1), ("<=>", ("telling-truth", 0), ("telling-truth", 1))), [[True, False]]),
+    # A: "I am a knave or B is a knave"; B: "I am a knight" -> A knight, B knave
+    ((("or", ("lying", 0), ("lying", 1)), ("telling-truth", 1)), [[True, False]]),
+    # A: "I am a knave and B is a knave" -> A knave, B knight
+    ((("and", ("lying", 0), ("lying", 1)), ("telling-truth", 1)), [[False, True]]),
+    # A: "If I am a knight then B is a knight" -> both knights
+    ((("->", ("telling-truth", 0), ("telling-truth", 1)), ("telling-truth", 1)), [[True, True]]),
+    # A: "B is not a knave"; B: "A is a knight or I am a knave" -> both knights
+    ((("not", ("lying", 1)), ("or", ("telling-truth", 0), ("lying", 1))), [[True, True]]),
+    # A: "I am a knight iff B is a knave"; B: "I am a knight" -> B knave, A either
+    ((("<=>", ("telling-truth", 0), ("lying", 1)), ("telling-truth", 1)), [[True, False], [False, False]]),
+    ((("telling-truth", 0),), [[True], [False]]),  # "I am a knight": both, in itertools.product order
+    ((("lying", 0),), []),  # "I am a knave": no world
+    # A: "I am a knight and B and C are knaves" (a 3-way and); B: "A is a knave"; C: "B is a knight"
+    ("(('and', ('telling-truth', 0), ('lying', 1), ('lying', 2)), ('lying', 0), ('telling-truth', 1))",
+     [[True, False, False], [False, True, True]]),
+])
+def test_solver_on_hand_made_puzzles(statements, solutions):
+    assert kk_solve(statements) == solutions
+
+
+def test_solver_parses_statements_as_a_literal_never_as_code():
     with pytest.raises(ValueError):
-        kk_solve("__import__('os').system('true')")  # parsed as a literal, never evaluated
+        kk_solve("__import__('os').system('true')")
 
 
 # --- generator ---
@@ -145,37 +223,44 @@ def test_generated_puzzles_are_valid_and_read_back(generated, official_templates
             assert s[0] not in ("and", "or", "->", "<=>") or s[1] != s[2]
     assert templates == official_templates
     assert {n for r in generated for n in r["names"]} == {n for r in official_rows() for n in r["names"]}
+    assert len(set(generated["statements"])) == len(generated)  # no puzzle twice, as in the benchmark
 
 
 def test_generated_cover_every_statement_type(generated):
     kinds = [s[0] for r in generated for s in ast.literal_eval(r["statements"])]
-    kinds_all = ("telling-truth", "lying", "not", "and", "or", "->", "<=>")
-    share = {k: kinds.count(k) / len(kinds) for k in kinds_all}
+    share = {k: kinds.count(k) / len(kinds) for k in ("telling-truth", "lying", "not", "and", "or", "->", "<=>")}
     assert min(share.values()) > 0.04, share
     assert 0.08 < share["telling-truth"] + share["lying"] < 0.3, share  # ~1/6 before the uniqueness filter
 
 
 def test_generator_schema_matches_official_rows(generated):
-    row = json.loads(JSONL[3].read_text().splitlines()[0])
+    row = jsonl_rows()[0]
+    assert generated.features == KK_FEATURES
     assert set(generated.column_names) - {"num_people"} <= set(row)
-    assert {type(row[c]) for c in ("quiz", "solution_text", "solution_text_format", "statements")} == {str}
+    for c in ("quiz", "solution_text", "solution_text_format", "statements"):
+        assert type(generated[0][c]) is type(row[c]) is str
+    assert type(generated[0]["names"]) is type(row["names"]) is list
+    assert type(generated[0]["solution"][0]) is type(row["solution"][0]) is bool
+
+
+def test_generated_quizzes_read_back_through_kk_load(generated, tmp_path):
+    path = tmp_path / "generated.jsonl"
+    generated.to_json(str(path))
+    assert kk_load(str(path)).to_list() == generated.to_list()
 
 
 def test_generator_is_reproducible(generated):
     assert kk_generate(300, num_people=(3, 7), seed=1).to_list() == generated.to_list()
-    assert kk_generate(20, seed=2)["quiz"] != generated["quiz"][:20]
+    assert kk_generate(20, num_people=(3, 7), seed=2)["quiz"] != generated["quiz"][:20]
 
 
-def test_num_people_int_range_and_bad_values():
+def test_num_people_int_and_range():
     assert set(kk_generate(30, num_people=4)["num_people"]) == {4}
-    two = kk_generate(300, num_people=2)["statements"]  # few 2-person puzzles exist: repeats are likely
-    assert len(set(two)) == 300  # but one call never repeats a puzzle, like the benchmark
-    with pytest.raises(ValueError, match="n=5000"):
-        kk_generate(5000, num_people=2)
     assert set(kk_generate(200, num_people=(2, 8))["num_people"]) == set(range(2, 9))
-    for bad in (1, 9, (5, 3), (0, 4), (3, 9), (3,), "3", None):
-        with pytest.raises(ValueError, match="num_people"):
-            kk_generate(1, num_people=bad)
+    two = kk_generate(300, num_people=2)["statements"]  # few 2-person puzzles exist, yet none repeats
+    assert len(set(two)) == 300
+    with pytest.raises(ValueError, match="distinct 2-person puzzles"):
+        kk_generate(5000, num_people=2)
 
 
 # --- reward (Logic-RL's kk.py; totals: 3 correct, -0.5 wrong, -1 unreadable answer, -3 bad format) ---
@@ -206,15 +291,20 @@ GT = "(1) Amelia is a knight\n(2) Penelope is a knave\n(3) Evelyn is a knight"
     ("<think> r <answer> " + GT + " </answer></think>", -3.0),  # answer inside the thought
     ("</think><think> r <answer> " + GT + " </answer>", -3.0),  # wrong order
     ("<answer> " + GT + " </answer><think> r </think>", -3.0),
-    ("<think> Assistant: r </think><answer> " + GT + " </answer>", -3.0),  # Logic-RL cuts at "Assistant:"
     ("", -3.0),
-    (None, -3.0),
-    (42, -3.0),
-    (b"<think></think>", -3.0),
     (wrap("(.*)+[ Amelia is a knight \\1 Penelope is a knave (?P<x> Evelyn is a knight $^"), 3.0),
 ])
 def test_reward_cases(completion, expected):
     assert kk_reward(completion, GT) == expected
+
+
+def test_reward_reads_only_the_text_after_assistant():
+    """Logic-RL scores the text after the first "Assistant:": tags before it do not count, nor does a <think>
+    that the completion itself puts before an "Assistant:" of its own."""
+    prompt = "System: use <think> </think> and <answer> </answer>. User: who is who? Assistant: "
+    assert kk_reward(prompt + "<think> r </think><answer> " + GT + " </answer>", GT) == 3.0
+    assert kk_reward("<think> Assistant: r </think><answer> " + GT + " </answer>", GT) == -3.0
+    assert kk_reward("<think> r </think><answer> " + GT + " </answer> Assistant: more", GT) == -3.0
 
 
 def test_reward_names_inside_other_names():
@@ -230,32 +320,87 @@ def test_reward_names_inside_other_names():
     assert kk_reward(wrap("Jack is a knight and Jackson is a knave"), flipped) == 3.0
 
 
-def test_reward_after_full_plain_prompt():
-    # Logic-RL scores the decoded prompt + response; the prompt's own tags sit before "Assistant:"
-    with pytest.warns(UserWarning):
-        prompt = kk_prompt(type("NoTemplate", (), {"chat_template": None})(), "Who is who?")
-    assert kk_reward(prompt + " r </think><answer> " + GT + " </answer>", GT) == 3.0
+def test_rewards_equal_logic_rl_on_random_completions():
+    """kk_rewards on completions (after the pre-filled <think>) equals Logic-RL's compute_score on the official
+    prompt + the same completion, on random mixtures of tags, names, roles and "Assistant:"."""
+    rng, rows = random.Random(0), official_rows()
+    official_prompt = rows[-1]["prompt"][0]["content"]  # (ends "<|im_start|>assistant\n<think>")
+    pieces = ["<think>", "</think>", "<answer>", "</answer>", "Assistant:", " ", "\n", ", and ", " is a ", "knight",
+              "knave", "Jack", " r "]
+    completions, truths = [], []
+    for _ in range(3000):
+        truth = rng.choice(rows)["solution_text_format"]
+        names = list(logic_rl_parse(truth))
+        said = [f"{n} is a {rng.choice(['knight', 'knave'])}" for n in rng.sample(names, rng.randint(0, len(names)))]
+        noise = lambda: "".join(rng.choice(pieces) for _ in range(rng.choice([0, 0, 0, 1, 2])))  # noqa: E731
+        completions.append(f"{noise()} r </think>{noise()}<answer>{noise()} {', '.join(said)}{noise()}</answer>"
+                           f"{noise()}")
+        truths.append(truth)
+        completions.append(f" r </think><answer> {truth} </answer>")  # correct (so every total occurs)
+        truths.append(truth)
+    rewards, training = kk_rewards(completions, truths)
+    expected = [logic_rl_score(official_prompt + c, t) for c, t in zip(completions, truths)]
+    assert rewards.tolist() == expected
+    assert set(expected) == {3.0, -0.5, -1.0, -3.0}
+    assert torch.equal(training, rewards)
 
 
-def test_parse_solution_and_bad_ground_truth():
+def test_parse_solution_golden_and_equal_to_logic_rl_regex():
+    """kk_parse_solution = Logic-RL's parse_solution_text_format: on the official rows and on random lines."""
     assert kk_parse_solution(GT) == {"Amelia": "knight", "Penelope": "knave", "Evelyn": "knight"}
-    for bad in ("", "no roles here", None):
-        with pytest.raises(ValueError, match="solution_text_format"):
-            kk_reward(wrap("x"), bad)
+    for r in official_rows():
+        expected = logic_rl_parse(r["solution_text_format"])
+        assert kk_parse_solution(r["solution_text_format"]) == expected
+        assert list(expected) == list(r["names"])
+    rng = random.Random(0)
+    pieces = list("ab AZk_1é(),.\t\n") + ["knight", "knave", "Knave", " is a ", "Zoey"]
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        assert kk_parse_solution(text) == logic_rl_parse(text), text
+
+
+@pytest.mark.parametrize("completion, credit", [
+    ("<think> r", 0.0),  # nothing yet
+    ("<think> r </think>", 1 / 8),
+    ("<think> r </think><answer> </answer>", 3 / 8 + 1 / 8),  # every tag, in order: the tag half is full
+    ("<think> r </think><answer> Amelia is a knight </answer>", 0.5 + 0.5 / 3),
+    (wrap("Amelia is a knight, Penelope is a knave, and Evelyn is a knight."), 1.0),
+    (wrap("Amelia is a knave, Penelope is a knight, and Evelyn is a knave."), 1.0),  # wrong roles: format only
+    (wrap("Amelia is a knight, Penelope is a knave, Evelyn is a knight or a knave."), 0.5),  # 4 role words
+    ("<think> r <answer> Amelia is a knight", 1 / 8 + 0.5 / 3),  # no </think>, no </answer>: not in order
+    ("<think> r </think> Amelia is a knight, Penelope is a knave", 1 / 8),  # names outside <answer> earn nothing
+    ("<think> r </think><answer> x </answer><answer> y </answer>", 1 / 8),  # tags twice
+])
+def test_format_credit_golden(completion, credit):
+    assert kk_format_credit(completion, GT) == pytest.approx(credit)
+    # it only grows toward an answer Logic-RL can read: full credit iff the reward is 3 or -0.5
+    assert (kk_format_credit(completion, GT) == 1.0) == (kk_reward(completion, GT) in (3.0, -0.5))
+
+
+def test_kk_rewards_adds_format_credit_only_to_the_training_reward():
+    """(Logic-RL's reward, the training reward): equal with format_reward 0, + format_reward * credit otherwise;
+    both on THINK_PREFIX + completion."""
+    completions = [" r </think><answer> " + GT + " </answer>",  # 3, credit 1
+                   " r </think><answer> Amelia is a knave, Penelope is a knave, Evelyn is a knave </answer>",  # -0.5, 1
+                   " r </think>"]  # -3, credit 1/8
+    rewards, training = kk_rewards(completions, [GT] * 3)
+    assert rewards.tolist() == [3.0, -0.5, -3.0] and torch.equal(training, rewards)
+    rewards2, training2 = kk_rewards(completions, [GT] * 3, format_reward=0.5)
+    assert torch.equal(rewards2, rewards)
+    assert training2.tolist() == pytest.approx([3.5, 0.0, -3.0 + 0.5 / 8])
 
 
 # --- loader ---
 @pytest.fixture(scope="module")
 def loaded():
     """Every official file read with kk_load, keyed by people count (and "parquet")."""
-    return {k: kk_load(path) for k, path in JSONL.items()} | {"parquet": kk_load(PARQUET)}
+    return {k: kk_load(str(path)) for k, path in JSONL.items()} | {"parquet": kk_load(str(PARQUET))}
 
 
-def test_load_official_files(loaded, generated):
-    assert all(ds.features == generated.features for ds in loaded.values())
-    raw = {k: [json.loads(x) for x in JSONL[k].read_text().splitlines()] for k in JSONL}
-    raw["parquet"] = pd.read_parquet(PARQUET).to_dict("records")
+def test_load_official_files(loaded):
+    raw = {k: jsonl_rows(k) for k in JSONL} | {"parquet": pd.read_parquet(PARQUET).to_dict("records")}
     for key, ds in loaded.items():
+        assert ds.features == KK_FEATURES
         assert len(ds) == len(raw[key])
         for got, want in zip(ds, raw[key]):
             for col in ("quiz", "solution_text", "solution_text_format", "statements"):
@@ -272,159 +417,109 @@ def test_parquet_rows_match_jsonl_rows(loaded):
 
 
 def test_load_logic_rl_rows_without_top_level_answer(tmp_path, loaded):
+    """Logic-RL's rows keep the answer in reward_model.ground_truth; the rest is rebuilt from it."""
     path = tmp_path / "logic_rl.parquet"
     pd.read_parquet(PARQUET).drop(columns=["solution_text_format", "statements", "names", "solution",
                                             "solution_text"]).to_parquet(path)
     assert kk_load(str(path)).to_list() == loaded["parquet"].to_list()
 
 
-def test_load_errors(tmp_path):
-    rows = [json.loads(x) for x in JSONL[3].read_text().splitlines()]
-    lacking = tmp_path / "lacking.jsonl"
-    lacking.write_text("".join(json.dumps({k: v for k, v in r.items()
-                                           if k not in ("statements", "solution_text_format")}) + "\n"
-                               for r in rows))
-    with pytest.raises(ValueError, match="statements") as err:
-        kk_load(lacking)
-    assert "solution_text_format" in str(err.value) and "Logic-RL" in str(err.value)
-    lines = rows[0]["solution_text_format"].split("\n")
+def test_load_statements_given_as_json_lists(tmp_path, loaded):
+    """A JSON file may hold the statements as nested lists: loaded as the official tuple's string."""
+    rows = jsonl_rows()
+    path = tmp_path / "lists.jsonl"
+    path.write_text("".join(json.dumps(r | {"statements": ast.literal_eval(r["statements"])}) + "\n" for r in rows))
+    assert kk_load(str(path)).to_list() == loaded[3].to_list()
+
+
+def _flip_first_role(text_format):
+    lines = text_format.split("\n")
     lines[0] = lines[0].replace("knight", "KNAVE").replace("knave", "knight").replace("KNAVE", "knave")
-    wrong = tmp_path / "wrong.jsonl"  # first person's role flipped: the statements no longer agree
-    wrong.write_text(json.dumps({k: v for k, v in rows[0].items() if k != "solution"}
-                                | {"solution_text_format": "\n".join(lines)}) + "\n")
-    with pytest.raises(ValueError, match="row 0"):
-        kk_load(wrong)
-    swapped = tmp_path / "swapped.jsonl"
-    swapped.write_text(json.dumps(rows[0] | {"names": rows[0]["names"][::-1]}) + "\n")
-    with pytest.raises(ValueError, match="names"):
-        kk_load(swapped)
-    with pytest.raises(FileNotFoundError):
-        kk_load(tmp_path / "missing.jsonl")
-    with pytest.raises(FileNotFoundError):
-        kk_load("some/dir/missing.parquet")
-    (tmp_path / "rows.csv").write_text("quiz\nx\n")
-    with pytest.raises(ValueError, match="csv"):
-        kk_load(tmp_path / "rows.csv")
+    return "\n".join(lines)
 
 
-def _row_file(tmp_path, name, **changes):
-    row = json.loads(JSONL[3].read_text().splitlines()[0]) | changes
-    (tmp_path / name).write_text(json.dumps(row) + "\n")
-    return tmp_path / name
+def _write(path, content):
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    return path
 
 
-def test_hostile_rows_are_rejected_quickly_with_file_and_row(tmp_path):
-    """Each row is validated in time linear in its size: a cap on people (solving is 2^n), the statement count
-    must match the names, nesting is bounded before literal_eval."""
-    names = [f"P{c}" for c in "abcdefghijklm"]  # 13 people
-    many = _row_file(tmp_path, "many.jsonl", statements=repr(tuple(("telling-truth", i) for i in range(13))),
-                     solution_text_format="\n".join(f"({i}) {n} is a knight" for i, n in enumerate(names, 1)),
-                     names=None, solution=None)
-    with pytest.raises(ValueError, match=r"many.jsonl.* row 0: 13 statements: at most 12 people"):
-        kk_load(many)
-    fewer = _row_file(tmp_path, "fewer.jsonl", statements="(('telling-truth', 1),)")
-    with pytest.raises(ValueError, match=r"row 0: 1 statements for 3 people"):
-        kk_load(fewer)
-    deep = _row_file(tmp_path, "deep.jsonl", statements="(" * 500 + ")" * 500)
-    with pytest.raises(ValueError, match=r"row 0: statements are nested deeper than"):
-        kk_load(deep)
-    no_quiz = _row_file(tmp_path, "no_quiz.jsonl", quiz="  ")
-    with pytest.raises(ValueError, match=r"row 0: quiz is missing"):
-        kk_load(no_quiz)
-    with pytest.raises(ValueError, match="at most 12 people"):
-        kk_solve(tuple(("lying", 0) for _ in range(20)))  # 2^20 assignments are never tried
+MALFORMED = {  # file name -> content; None: no file
+    "missing.jsonl": None,
+    "notjson.jsonl": "not json\n",
+    "truncated.jsonl": '{"quiz": "x", \n',
+    "empty.jsonl": "",
+    "garbage.parquet": b"PAR1 not really",
+    "columns.jsonl": json.dumps({"question": "Who?", "answer": "Zoey is a knight"}) + "\n",
+    "rows.csv": "quiz\nx\n",  # not a puzzle file (read as a hub dataset name, which offline is not reachable)
+}
 
 
-@pytest.mark.parametrize("content,match", [("", "is empty"), ("\n\n  \n", "is empty"), ('{"quiz": "x", \n', "JSON"),
-                                           ("not json\n", "not a readable .jsonl")])
-def test_malformed_files_name_the_file(tmp_path, content, match):
-    (tmp_path / "bad.jsonl").write_text(content)
-    with pytest.raises(ValueError, match=match) as err:
-        kk_load(tmp_path / "bad.jsonl")
-    assert "bad.jsonl" in str(err.value)
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_file_is_one_value_error_naming_it(tmp_path, name):
+    if MALFORMED[name] is not None:
+        _write(tmp_path / name, MALFORMED[name])
+    with pytest.raises(ValueError) as err:
+        kk_load(str(tmp_path / name))
+    message = str(err.value)
+    assert name in message and "\n" not in message, message
 
 
-def test_zero_row_and_garbage_parquet_name_the_file(tmp_path):
+def test_zero_row_parquet_names_the_file(tmp_path):
     pd.read_parquet(PARQUET).iloc[:0].to_parquet(tmp_path / "zero.parquet")
-    with pytest.raises(ValueError, match="zero.parquet' has no rows"):
-        kk_load(tmp_path / "zero.parquet")
-    (tmp_path / "garbage.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(ValueError, match="garbage.parquet' is not a readable .parquet"):
-        kk_load(tmp_path / "garbage.parquet")
+    with pytest.raises(ValueError, match=r"zero\.parquet"):  # (datasets cannot read it, or it has no rows)
+        kk_load(str(tmp_path / "zero.parquet"))
 
 
-def test_parse_solution_equals_logic_rl_regex_and_is_linear():
-    """kk_parse_solution = Logic-RL's per-line re.search(r"\\b([A-Za-z]+)\\b.*?\\b(knight|knave)\\b", I), checked
-    on random lines, without that regex's quadratic time (40k words run in milliseconds, not a minute)."""
-    def logic_rl(text):
-        found = (re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line.strip(), re.I) for line in text.split("\n"))
-        return {m.group(1): m.group(2).lower() for m in found if m}
-
-    rng = random.Random(0)
-    pieces = list("ab AZk_1é(),.\t\n") + ["knight", "knave", "Knave", " is a ", "Zoey"]
-    for _ in range(5000):
-        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
-        expected = logic_rl(text)
-        if expected:
-            assert kk_parse_solution(text) == expected, text
-        else:
-            with pytest.raises(ValueError):
-                kk_parse_solution(text)
-    assert kk_parse_solution("a" * 40_000 + "1 " + "word " * 40_000 + "Zoey is a knave") == {"word": "knave"}
-
-
-@pytest.mark.parametrize("completion, credit", [
-    ("<think> r", 0.0),  # nothing yet
-    ("<think> r </think>", 1 / 8),
-    ("<think> r </think><answer> </answer>", 3 / 8 + 1 / 8),  # every tag, in order: the tag half is full
-    ("<think> r </think><answer> Amelia is a knight </answer>", 0.5 + 0.5 / 3),
-    (wrap("Amelia is a knight, Penelope is a knave, and Evelyn is a knight."), 1.0),
-    (wrap("Amelia is a knave, Penelope is a knight, and Evelyn is a knave."), 1.0),  # wrong roles: format only
-    (wrap("Amelia is a knight, Penelope is a knave, Evelyn is a knight or a knave."), 0.5),  # 4 role words
-    ("<think> r <answer> Amelia is a knight", 1 / 8 + 0.5 / 3),  # no </think>, no </answer>: not in order
-    ("<think> r </think> Amelia is a knight, Penelope is a knave", 1 / 8),  # names outside <answer> earn nothing
-    ("<think> r </think><answer> x </answer><answer> y </answer>", 1 / 8),  # tags twice
-    (None, 0.0),
-])
-def test_format_credit_golden(completion, credit):
-    assert kk_format_credit(completion, GT) == pytest.approx(credit)
-    # it only grows toward an answer Logic-RL can read: full credit iff the reward is 3 or -0.5
-    assert (kk_format_credit(completion, GT) == 1.0) == (kk_reward(completion, GT) in (3.0, -0.5))
+@pytest.mark.parametrize("change", ["role flipped", "no statements", "no quiz", "a person more"])
+def test_bad_row_is_one_value_error_naming_file_and_row(tmp_path, change):
+    """Row 1 is broken, row 0 is fine: the error names the file and row 1."""
+    rows = jsonl_rows()[:3]
+    bad = dict(rows[1])
+    if change == "role flipped":  # its statements no longer have its solution
+        bad["solution_text_format"] = _flip_first_role(bad["solution_text_format"])
+    elif change == "no statements":
+        del bad["statements"]
+    elif change == "no quiz":
+        bad["quiz"] = ""
+    else:
+        bad["solution_text_format"] += "\n(4) Zoey is a knight"
+    path = _write(tmp_path / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in (rows[0], bad, rows[2])))
+    with pytest.raises(ValueError, match=r"rows\.jsonl.*row 1\b") as err:
+        kk_load(str(path))
+    assert "\n" not in str(err.value)
 
 
-def test_load_hub_offline(monkeypatch):
-    import datasets
-    import huggingface_hub
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # read once at import: patch the copies
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("no load (and no retries) offline"))
-    lopti.hub_reachable.cache_clear()
-    with pytest.raises(ConnectionError, match="not reachable") as err:
-        kk_load("K-and-K/knights-and-knaves:test/3ppl")
-    assert "kk_generate" in str(err.value)
+def test_row_without_people_is_refused(tmp_path):
+    row = {"quiz": "Who is who?", "statements": "()", "solution_text_format": "nobody", "solution_text": "nobody"}
+    path = _write(tmp_path / "nobody.jsonl", json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"nobody\.jsonl.*row 0"):
+        kk_load(str(path))
 
 
-def test_hub_unreachable_without_offline_mode(monkeypatch):
-    """No network (DNS fails): the hub counts as unreachable after one probe; an answering hub as reachable."""
-    import huggingface_hub
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+# --- task data ---
+def test_load_task_data_keeps_evaluation_puzzles_out_of_training():
+    """The official 3-person parquet holds the 20 puzzles of 3ppl_20.jsonl: evaluated on the other 80."""
+    train, evals = load_task_data(Config(train_data=str(JSONL[3]), eval_data=str(PARQUET)))
+    assert len(train) == 20 and len(evals) == 80
+    assert not set(train["quiz"]) & set(evals["quiz"])
+    with pytest.raises(ValueError, match="every evaluation puzzle"):
+        load_task_data(Config(train_data=str(JSONL[3]), eval_data=str(JSONL[3])))
 
-    def no_network(self, *a, **k):
-        raise OSError("[Errno -2] Name or service not known")
 
-    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", no_network)
-    lopti.hub_reachable.cache_clear()
-    assert lopti.hub_reachable("org/name", "model") is False
+def test_load_task_data_generates_disjoint_sets_per_size():
+    train, evals = load_task_data(Config(num_train=40, num_people="3-4", eval_size=5))
+    assert len(train) == 40 and set(train["num_people"]) <= {3, 4}
+    assert sorted(evals["num_people"]) == [3] * 5 + [4] * 5
+    assert not set(train["quiz"]) & set(evals["quiz"])
 
-    def missing(self, *a, **k):
-        from huggingface_hub.errors import RepositoryNotFoundError
-        raise RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # (its __init__ wants an HTTP response)
 
-    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", missing)
-    lopti.hub_reachable.cache_clear()
-    assert lopti.hub_reachable("org/name", "model") is True
-    lopti.hub_reachable.cache_clear()
+def test_constant_accuracy_golden():
+    """The best constant answer per size: 2 people, (knight, knave) 2 of 3; 3 people, any 1 of 2 -> 3/5."""
+    rows = lambda solutions: datasets.Dataset.from_dict({"solution": solutions})  # noqa: E731
+    assert constant_accuracy(rows([[True, False], [True, False], [False, False], [True, True, True],
+                                   [False, False, False]])) == pytest.approx(3 / 5)
+    assert constant_accuracy(rows([[True, True, False]] * 4)) == 1.0
+    assert constant_accuracy(rows([[True, False], [False, True], [False, False, True]])) == pytest.approx(2 / 3)
 
 
 # --- prompt ---
@@ -457,19 +552,34 @@ def tiny_tokenizer(chat_template):
     return hf
 
 
-@pytest.mark.parametrize("template", [CHATML, QWEN25])
+@pytest.mark.parametrize("template", [CHATML, QWEN25], ids=["chatml", "qwen2.5"])
 def test_prompt_with_chat_template_equals_official_prompt(template):
     tokenizer = tiny_tokenizer(template)
     rows = pd.read_parquet(PARQUET).to_dict("records")
     for r in rows:
         assert kk_prompt(tokenizer, r["quiz"]) == r["prompt"][0]["content"]
     official = rows[0]["prompt"][0]["content"]
-    assert official.split("<|im_start|>system\n")[1].split("<|im_end|>")[0] == KK_SYSTEM_PROMPT
+    assert official.split("<|im_start|>system\n")[1].split("<|im_end|>")[0] == KK_SYSTEM_PROMPTS["paper"]
     assert official.endswith("<|im_start|>assistant\n" + THINK_PREFIX)
 
 
-def test_prompt_without_chat_template_warns():
-    with pytest.warns(UserWarning, match="no chat template.*instruct"):
-        prompt = kk_prompt(tiny_tokenizer(None), "QUIZ TEXT")
-    assert prompt.startswith(KK_SYSTEM_PROMPT) and "QUIZ TEXT" in prompt
-    assert prompt.endswith("Assistant: " + THINK_PREFIX)
+def test_prompt_without_chat_template_raises():
+    """No silent plain-text prompt for a base model: the tokenizer's ValueError (main: one line, exit 2)."""
+    with pytest.raises(ValueError, match="chat template|chat_template"):
+        kk_prompt(tiny_tokenizer(None), "QUIZ TEXT")
+
+
+def copyable_template(text):
+    """The parts of a prompt a small model copies verbatim: empty tag pairs and placeholder text."""
+    return [m for m in (re.search(r"<think>\s*</think>", text), re.search(r"<answer>\s*</answer>", text),
+                        re.search("reasoning process here", text), re.search("answer here", text)) if m]
+
+
+def test_small_prompt_names_each_tag_but_has_no_template_to_copy():
+    small, paper = KK_SYSTEM_PROMPTS["small"], KK_SYSTEM_PROMPTS["paper"]
+    assert all(tag in small for tag in TAGS)
+    assert copyable_template(small) == []
+    assert len(copyable_template(paper)) == 4  # the check finds the paper's template
+    rendered = kk_prompt(tiny_tokenizer(CHATML), "QUIZ TEXT", prompt="small")
+    assert rendered == f"<|im_start|>system\n{small}<|im_end|>\n<|im_start|>user\nQUIZ TEXT\n<|im_end|>\n" \
+                       f"<|im_start|>assistant\n{THINK_PREFIX}"

@@ -1,140 +1,230 @@
-"""Tests of the toy experiment (`python lopti.py toy`): it runs, it is deterministic, and it measures
-what it says (the bound, a partition of tokens into bins, the update of each method)."""
-import copy
+"""Tests of the toy (`python lopti.py toy`): Figure 3's mechanism on a linear softmax policy. The rollout and its
+reward, the policy's designed biases, the trajectories with paired probes (Figure 3 paired), run_toy's results and
+the command line. Tiny settings keep the file to a few seconds."""
 import dataclasses
 import json
-import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import lopti
-from lopti import (TOY_METHODS, ToySettings, bin_masks, bound_check, make_optimizer, toy_config,
-                   toy_logprobs, toy_rollout, toy_warm_start, update_policy)
+from lopti import (TOY_OWN_RUNS, TOY_PAIRED, ToyPolicy, ToySettings, run_toy, toy_logprobs, toy_rollout,
+                   toy_trajectory)
 
-def toy_main(argv):
-    return lopti.toy_main(lopti.build_parser().parse_args(["toy", *argv]))
-
-
-SECTIONS = ("settings", "bound", "warm_start", "figures", "learning", "checks")
+S = ToySettings(seeds=1, steps=2)  # the toy's default policy and task
+SMALL = ToySettings(**lopti.TOY_QUICK, vocab=64)  # --quick with a smaller vocabulary: fast, and every method's
+# update shows in the counts
 
 
+def updates(traj):
+    """A trajectory's rewards and own update counts."""
+    return traj["reward"], traj["counts"]
+
+
+# --- the policy and the rollout ---
+def test_only_w_is_trained():
+    """W is the only parameter: contexts, token features, biases and targets stay fixed."""
+    net = ToyPolicy(S, 0)
+    assert [name for name, _ in net.named_parameters()] == ["W"]
+
+
+def test_reward_is_one_iff_the_decision_tokens_equal_the_target():
+    """Outcome reward: 1 iff the first `decisions` tokens are the prompt's target, whatever the format tokens."""
+    s = ToySettings(vocab=8, dim=4, prompts=2, group=3, length=3, decisions=2)
+    net = ToyPolicy(s, 0)
+    net.target = torch.tensor([[1, 2], [3, 4]])
+    tokens = torch.tensor([[1, 2, 5], [1, 5, 2], [2, 1, 0],  # prompt 0: right, second wrong, swapped
+                           [3, 4, 4], [3, 4, 0], [4, 4, 4]])  # prompt 1: right, right (other format), first wrong
+    sample = net.sample
+    net.sample = lambda prompts, gen: {**sample(prompts, gen), "tokens": tokens}
+    batch = toy_rollout(net, torch.Generator().manual_seed(0))
+    assert batch["rewards"].tolist() == [1, 0, 0, 1, 1, 0]
+    # group advantages (r - mean) / std: group [1, 0, 0] -> (2/3, -1/3, -1/3) / 0.57735
+    assert batch["advantages"].tolist() == pytest.approx([1.1547, -0.57735, -0.57735, 0.57735, 0.57735, -1.1547],
+                                                         abs=1e-4)
+    assert batch["mask"].all() and batch["mask"].shape == tokens.shape
+
+
+def test_rollout_rewards_match_targets_on_sampled_batches():
+    """On a sampled batch of the default task (some hits, some misses), reward = the decision tokens hit."""
+    net = ToyPolicy(S, 0)
+    batch = toy_rollout(net, torch.Generator().manual_seed(0))
+    prompts = torch.arange(S.prompts).repeat_interleave(S.group)
+    hit = [row[:S.decisions].tolist() == net.target[p].tolist() for row, p in zip(batch["tokens"], prompts)]
+    assert batch["rewards"].tolist() == [float(h) for h in hit] and 0 < sum(hit) < len(hit)
+    assert batch["tokens"].shape == (S.prompts * S.group, S.length)
+
+
+def test_old_logprobs_are_the_policys_logprobs():
+    """pi_old is the log-prob the update recomputes (ratio 1 at the first pass), and equals log softmax of
+    W x + b built here by hand, in float64."""
+    net = ToyPolicy(S, 0)
+    batch = toy_rollout(net, torch.Generator().manual_seed(0))
+    assert not batch["old_logprobs"].requires_grad
+    assert torch.equal(toy_logprobs(net, batch), batch["old_logprobs"])
+    bias = (torch.nn.functional.one_hot(batch["bias_at"], S.vocab).double() * batch["bias"][..., None].double()).sum(-2)
+    logits = batch["x"].double() @ net.W.detach().double().T + bias  # (B, T, V)
+    reference = logits.log_softmax(-1).gather(-1, batch["tokens"][..., None]).squeeze(-1)
+    assert torch.allclose(batch["old_logprobs"].double(), reference, atol=1e-5)
+
+
+def test_samples_follow_the_policy():
+    """The Gumbel-max draw samples softmax(W x + b): at the first position (one context per prompt) the tokens'
+    frequencies over 4,000 samples match exp(pi_old) within 5 standard errors. (Biases of 1, not 4-11, so that
+    every token is drawn often.)"""
+    s = ToySettings(vocab=8, dim=4, prompts=1, group=4000, length=1, decisions=1)
+    net = ToyPolicy(s, 0)
+    net.strength = torch.ones(s.vocab)
+    batch = toy_rollout(net, torch.Generator().manual_seed(0))
+    probs = net(batch["x"][:1], batch["bias_at"][:1], batch["bias"][:1]).softmax(-1)[0, 0].detach()  # (V,)
+    freq = torch.bincount(batch["tokens"][:, 0], minlength=s.vocab).float() / s.group
+    assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / s.group).sqrt() + 1e-3).all(), (freq, probs)
+
+
+def test_target_is_second_to_the_bigram_token_at_decisions_and_unbiased_at_format_positions():
+    """The designed biases: at a decision position the target gets the bigram token's bias minus target_gap (so,
+    with W = 0, it is the second most likely token); at a format position it gets none."""
+    net = ToyPolicy(S, 0)
+    with torch.no_grad():
+        net.W.zero_()  # the logits are then the biases alone
+    batch = toy_rollout(net, torch.Generator().manual_seed(0))
+    d, prompts = S.decisions, torch.arange(S.prompts).repeat_interleave(S.group)
+    target, bigram = net.target[prompts], batch["bias_at"][:, :, 0]  # (B, d), (B, T)
+    assert torch.equal(batch["bias_at"][:, :d, 1], target)
+    assert torch.allclose(batch["bias"][:, :d, 0] - batch["bias"][:, :d, 1], torch.tensor(S.target_gap))
+    assert (batch["bias"][:, d:, 1] == 0).all()  # format positions: the target has no bias
+    logits = net(batch["x"], batch["bias_at"], batch["bias"]).detach()  # (B, T, V)
+    top2 = logits[:, :d].topk(2, -1).indices  # (B, d, 2)
+    apart = target != bigram[:, :d]  # (a target that is also the bigram token gets both biases)
+    assert apart.float().mean() > 0.9
+    assert torch.equal(top2[..., 0][apart], bigram[:, :d][apart]) and torch.equal(top2[..., 1][apart], target[apart])
+    at_target = logits[:, d:].gather(-1, net.target[prompts, -1:].expand(-1, S.length - d)[..., None]).squeeze(-1)
+    assert (at_target[bigram[:, d:] != net.target[prompts, -1:]] == 0).all()  # as every other unbiased token
+
+
+# --- trajectories and paired probes (Figure 3 paired) ---
+def test_paired_probes_leave_the_trajectory_unchanged():
+    """paired_counts restores weights and optimiser state: GRPO's rewards and counts are those of a run without
+    probes, and each step's entry under the own method is the own update's counts."""
+    alone = toy_trajectory(SMALL, "grpo", 0)
+    probed = toy_trajectory(SMALL, "grpo", 0, TOY_PAIRED)
+    assert updates(probed) == updates(alone)
+    assert alone["paired"] == [{"grpo": c} for c in alone["counts"]]
+    for step, counts in zip(probed["paired"], probed["counts"]):
+        assert set(step) == {"grpo", *TOY_PAIRED} and step["grpo"] == counts
+
+
+def test_a_probe_of_the_own_method_reproduces_the_own_update():
+    """A probe of Lopti from the state of Lopti's own trajectory counts what Lopti's own update counts: the
+    restored state (two passes, AdamW moments) is the state the own update starts from."""
+    own = toy_trajectory(SMALL, "lopti", 0)
+    probed = toy_trajectory(SMALL, "lopti", 0, ("lopti",))  # the probe's counts replace the own entry
+    assert [step["lopti"] for step in probed["paired"]] == own["counts"]
+    assert updates(probed) == updates(own)
+
+
+def test_grpo_ignores_alpha_and_ar_uses_it():
+    """method_config: 'grpo' and 'lopti' run with alpha = 0 whatever the toy's alpha; 'ar' runs with it."""
+    other = dataclasses.replace(SMALL, alpha=0.9)
+    for method in ("grpo", "lopti"):
+        assert updates(toy_trajectory(other, method, 0)) == updates(toy_trajectory(SMALL, method, 0))
+    assert updates(toy_trajectory(other, "ar", 0)) != updates(toy_trajectory(SMALL, "ar", 0))
+
+
+# --- run_toy ---
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("toy")
-    results = toy_main(["--quick", "--out", str(out)])
-    return results, out
+def small_run():
+    """run_toy(SMALL) on one thread, as toy_main runs it (the same float sums)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_toy(SMALL)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_quick_run_writes_every_section(quick_run):
-    results, out = quick_run
-    saved = json.loads((out / "results.json").read_text())
-    assert all(k in saved for k in SECTIONS)
-    assert saved == json.loads(json.dumps(results))
-    assert not (out / "results.json.tmp").exists()
-    for m, v in saved["learning"]["methods"].items():  # Figure 3 on every method's own updates, every seed
-        assert set(v["fig3"]) == {*lopti.UPDATE_KEYS, "seeds"} and len(v["fig3"]["seeds"]) == saved["settings"]["seeds"]
-        assert sum(v["fig3"]["pos_tokens"]) > 0, m
-    assert len(saved["learning"]["methods"]["grpo"]["curve"]["mean"]) == saved["settings"]["steps"]
+def test_run_toy_has_every_method(small_run):
+    fig3 = small_run["figure3"]
+    for key in ("rose", "rose_of_moved", "ties"):
+        assert set(fig3[key]) == set(TOY_OWN_RUNS) and all(len(v) == 4 for v in fig3[key].values())
+    assert set(fig3["paired"]) == set(TOY_PAIRED)
+    for m, d in fig3["paired"].items():
+        for delta, ci in zip(d["delta"], d["ci95"]):
+            assert (delta is None) == (ci is None), m
+            assert delta is None or ci[0] - 1e-12 <= delta <= ci[1] + 1e-12, m
+    assert set(small_run["reward"]) == set(TOY_OWN_RUNS) and all(len(v) == SMALL.steps
+                                                                for v in small_run["reward"].values())
+    assert sum(small_run["figure1"]["token_share"]) == pytest.approx(1.0)
+    assert small_run["settings"] == dataclasses.asdict(SMALL)
 
 
-def test_bound_has_no_violation(quick_run):
-    for name, b in quick_run[0]["bound"].items():
-        assert b["violations"] == 0, name
-        assert b["bound_lo"] - 1e-9 <= b["ratio_min"] <= b["ratio_max"] <= b["bound_hi"] + 1e-9
+def test_run_toy_pools_the_trajectories(small_run):
+    """Figure 3 of each method's own runs pools its seeds' steps; paired deltas pool GRPO's seeds: recomputed here
+    from toy_trajectory by hand."""
+    runs = {m: [toy_trajectory(SMALL, m, SMALL.seed + i, TOY_PAIRED if m == "grpo" else ())
+                for i in range(SMALL.seeds)] for m in TOY_OWN_RUNS}
+    total = lambda steps, key: [sum(c[f"update/{key}"][b] for c in steps) for b in range(4)]  # noqa: E731
+    for m, trajs in runs.items():
+        steps = [c for t in trajs for c in t["counts"]]
+        rose, n = total(steps, "pos_rose"), total(steps, "pos_tokens")
+        assert small_run["figure3"]["rose"][m] == pytest.approx([r / k if k else None for r, k in zip(rose, n)])
+        assert small_run["reward"][m] == pytest.approx([sum(t["reward"][i] for t in trajs) / SMALL.seeds
+                                                        for i in range(SMALL.steps)])
+    probes = [p for t in runs["grpo"] for p in t["paired"]]
+    n = total([p["grpo"] for p in probes], "pos_tokens")
+    for m in TOY_PAIRED:
+        diff = [a - b for a, b in zip(total([p[m] for p in probes], "pos_rose"),
+                                      total([p["grpo"] for p in probes], "pos_rose"))]
+        assert small_run["figure3"]["paired"][m]["delta"] == pytest.approx([x / k if k else None
+                                                                             for x, k in zip(diff, n)])
 
 
-def test_bound_tight_cases():
-    N = 16
-    uniform_rest = torch.zeros(1, N).index_fill(1, torch.tensor([0]), 2.0)  # rest uniform: lower bound exact
-    one_rival = torch.full((1, N), -80.0).index_fill(1, torch.tensor([0, 1]), 0.0)  # one rival: upper exact
-    lo = bound_check(uniform_rest, torch.tensor([0]))
-    hi = bound_check(one_rival, torch.tensor([0]))
-    assert lo["ratio_min"] == pytest.approx(math.sqrt(N / (N - 1)), rel=1e-12)
-    assert hi["ratio_max"] == pytest.approx(math.sqrt(2), rel=1e-12)
-    assert bound_check(torch.tensor([[60.0, 0.0, 0.0]]), torch.tensor([0]))["unresolved"] == 1
+# --- the command line ---
+def test_cli_quick_writes_results_and_figure(tmp_path, capsys, small_run):
+    """`python lopti.py toy --quick --out DIR` writes results.json and toy.png (when matplotlib is installed); the
+    JSON holds the printed checks and exactly the results of a separate run_toy with the same settings
+    (determinism). (--vocab 64 keeps it under a second.)"""
+    assert lopti.main(["toy", "--quick", "--vocab", "64", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["settings"] == dataclasses.asdict(SMALL)
+    assert {k: v for k, v in saved.items() if k != "checks"} == json.loads(json.dumps(small_run))
+    printed = capsys.readouterr().out
+    assert saved["checks"] and all(line in printed for line in saved["checks"])
+    assert (tmp_path / "toy.png").exists() == (lopti.pyplot() is not None)
 
 
-def test_bins_partition_the_tokens(quick_run):
-    share = quick_run[0]["figures"]["token_share"]
-    assert sum(share["all"]["mean"]) == pytest.approx(1.0, abs=1e-5)  # (rounded to 6 digits)
-    assert sum(share["nonzero_advantage"]["mean"]) == pytest.approx(1.0, abs=1e-5)
-    logp = torch.tensor([[1.0, 0.25, 0.2500001, 0.5, 0.75, 0.9, 1e-9, 0.3]]).clamp_min(1e-12).log()
-    masks = bin_masks(logp, torch.tensor([[True] * 7 + [False]]))
-    assert masks.sum(0).tolist() == [[1] * 7 + [0]]  # each token in one bin; padding in none
-    assert masks.int().argmax(0)[:, :7].tolist() == [[3, 0, 1, 1, 2, 3, 0]]
+def test_only_the_default_run_writes_the_toy_folder(monkeypatch, tmp_path):
+    """Only the run with no setting given goes to toy/ (the README's committed figure); any setting, even at its
+    default value, or --quick, goes to runs/toy/ unless --out says otherwise."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}}}
+    monkeypatch.setattr(lopti, "run_toy", lambda s: seen.append(s) or json.loads(json.dumps(fake)))
+    monkeypatch.setattr(lopti, "pyplot", lambda: None)
+    for argv, folder, settings in ((["--quick"], "runs/toy", ToySettings(**lopti.TOY_QUICK)),
+                                   (["--seed", "3"], "runs/toy", ToySettings(seed=3)), ([], "toy", ToySettings()),
+                                   (["--quick", "--out", "mine"], "mine", ToySettings(**lopti.TOY_QUICK)),
+                                   (["--steps", str(ToySettings.steps)], "runs/toy", ToySettings())):
+        for stale in ("toy", "runs", "mine"):
+            shutil.rmtree(stale, ignore_errors=True)
+        lopti.toy_main(lopti.build_parser().parse_args(["toy", *argv]))
+        assert seen[-1] == settings, argv
+        assert (Path(folder) / "results.json").exists(), argv
+        assert [p.name for p in tmp_path.iterdir()] == [Path(folder).parts[0]], argv
 
 
-def _updated_params(net, s, method, batch):
-    net2 = copy.deepcopy(net)
-    cfg = toy_config(s, method)
-    update_policy(cfg, lambda micro: toy_logprobs(net2, micro), make_optimizer(net2, cfg), batch)
-    return torch.cat([p.detach().flatten() for p in net2.parameters()])
+BAD = [["--steps", "x"], ["--bogus", "1"], ["--alpha", "1.5"], ["--eta", "0"], ["--optimizer", "adam"],
+       ["--learning_rate", "-1"], ["--seeds", "0"], ["--steps", "0"], ["--decisions", "9"], ["--vocab", "0"]]
 
 
-def test_methods_differ_and_alpha_zero_is_grpo():
-    s = ToySettings(warmup_steps=10)
-    net, rule = toy_warm_start(s)
-    batch = toy_rollout(net, rule, s, torch.Generator().manual_seed(0))
-    after = {m: _updated_params(net, s, m, batch) for m in TOY_METHODS}
-    names = list(after)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            assert not torch.equal(after[a], after[b]), (a, b)
-    assert torch.equal(_updated_params(net, dataclasses.replace(s, alpha=0.0), "ar", batch), after["grpo"])
-
-
-def test_same_seed_same_json(quick_run, tmp_path):
-    toy_main(["--quick", "--out", str(tmp_path)])
-    assert (tmp_path / "results.json").read_bytes() == (quick_run[1] / "results.json").read_bytes()
-
-
-def test_outcome_reward_is_all_or_nothing_and_dense_is_the_share():
-    rule = torch.tensor([[1, 2, 0, 0], [2, 0, 1, 0]])  # rule[prompt, previous token]; BOS is id 3 (the last column)
-    tokens = torch.tensor([[0, 1, 2], [0, 1, 0]])  # prompt 0 from BOS: 0 follows, then rule[0,0] = 1, rule[0,1] = 2
-    prompts = torch.tensor([0, 0])
-    assert lopti.toy_rewards(rule, prompts, tokens).tolist() == [1.0, 0.0]
-    assert lopti.toy_rewards(rule, prompts, tokens, outcome=False).tolist() == pytest.approx([1.0, 2 / 3])
-    wrong_first = torch.tensor([[2, 0, 1]])  # 2 breaks the rule (rule[0, BOS] = 0); then 0 and 1 follow it
-    assert lopti.toy_rewards(rule, prompts[:1], wrong_first).item() == 0.0
-    assert lopti.toy_rewards(rule, prompts[:1], wrong_first, answer_len=2).item() == 1.0  # only the answer counts
-
-
-@pytest.mark.parametrize("bad", [["--seeds", "0"], ["--reward", "sparse"], ["--answer_len", "13"],
-                                 ["--eta", "2"], ["--eta", "0"], ["--steps", "-1"],
-                                 ["--alpha", "-0.1"], ["--alpha", "1.5"], ["--seed", "-3"], ["--steps", "x"]])
-def test_bad_options_are_one_line_and_exit_2(bad, tmp_path, capsys):
-    try:  # argparse (a value that is not a number) or Config's range checks, as train's: one line, exit 2
-        code = lopti.main(["toy", *bad, "--quick", "--out", str(tmp_path)])
+@pytest.mark.parametrize("bad", BAD, ids=lambda v: " ".join(v))
+def test_bad_option_is_one_line_and_exit_2(bad, tmp_path, capsys):
+    try:  # argparse (not a number, unknown flag) or Config's range checks, as train's: one line, exit 2
+        code = lopti.main(["toy", "--quick", "--vocab", "64", *bad, "--out", str(tmp_path / "out")])
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and bad[0].lstrip("-") in err, err
-
-
-def test_only_the_default_run_writes_toy_folder(monkeypatch, tmp_path):
-    """Only the run with no setting given goes to toy/ (the README's committed figure), with ToySettings' defaults;
-    any setting given, even at its default value, sends it to runs/toy/ unless --out says otherwise."""
-    monkeypatch.chdir(tmp_path)
-    parse = lambda *argv: lopti.build_parser().parse_args(["toy", *argv])  # noqa: E731
-    written = []
-    monkeypatch.setattr(lopti, "run_toy", lambda s: written.append(s) or {"settings": {}})
-    monkeypatch.setattr(lopti, "toy_checks", lambda r: [])
-    monkeypatch.setattr(lopti, "plot_toy", lambda r, path: written.append(path))
-    lopti.toy_main(parse("--quick"))
-    lopti.toy_main(parse("--seed", "3"))
-    lopti.toy_main(parse())
-    lopti.toy_main(parse("--quick", "--out", "mine"))
-    lopti.toy_main(parse("--steps", str(ToySettings.steps)))
-    folders = [w.parent for w in written if isinstance(w, Path)]
-    assert folders == [Path("runs/toy"), Path("runs/toy"), Path("toy"), Path("mine"), Path("runs/toy")]
-    settings = [w for w in written if isinstance(w, ToySettings)]
-    assert settings[2] == ToySettings() and settings[1] == ToySettings(seed=3)
-    assert settings[0] == ToySettings(**lopti.TOY_QUICK)
-
-
-def test_one_seed_is_never_clear_evidence():
-    """A paired difference over n = 1 has no spread to compare with: it is reported, never called clear."""
-    assert lopti.toy_paired({"mean": 0.001, "std": 0.0}, 1)["clear"] is False
-    assert lopti.toy_paired({"mean": 0.1, "std": 0.01}, 4)["clear"] is True
+    assert not (tmp_path / "out").exists()  # nothing written

@@ -1,5 +1,7 @@
-"""update_policy, Algorithm 1: AR before the split, low pass then high pass from the updated weights, the
-same pi_old in both passes, one optimiser step per mini-batch, micro-batching that changes nothing."""
+"""update_policy (Algorithm 1: AR before the split, then one GRPO pass or Lopti's two passes with the same pi_old)
+and the Figure 1 and 3 measurements (update_counts, pool_counts, figure3_shares, paired_counts, paired_deltas,
+method_config, measure_bins), on a linear softmax policy small enough to compute by hand."""
+import copy
 import dataclasses
 import json
 import math
@@ -8,8 +10,9 @@ import pytest
 import torch
 
 import lopti
-from lopti import (Config, bin_gradients, bin_masks, group_advantages, lopti_masks, measure_bins, policy_loss,
-                   reweight_advantages, token_logprobs, update_policy)
+from lopti import (Config, bin_masks, figure3_shares, group_advantages, lopti_masks, measure_bins, method_config,
+                   paired_counts, paired_deltas, policy_loss, pool_counts, reweight_advantages, token_logprobs,
+                   update_counts, update_policy)
 
 V, B, T = 11, 6, 5
 
@@ -44,139 +47,8 @@ def _grad(w, batch, adv, stage, n):
     return w.grad
 
 
-BASE = Config(alpha=0.0, lopti=False, beta=0.0, max_grad_norm=1e9, mini_batch_size=B, micro_batch_size=B)
-
-
-@pytest.mark.parametrize("order", ["low_first", "high_first"])
-def test_lopti_is_two_sequential_passes_with_the_same_pi_old(order):
-    weight, batch = _problem()
-    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, eta=0.5, lopti_order=order)
-    got, stats, n_steps = _run(cfg, weight, batch)
-    # by hand: AR first, split once from pi_old, then w1 = w0 - lr g_first(w0), w2 = w1 - lr g_second(w1)
-    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], 0.3)
-    low, high = lopti_masks(batch["old_logprobs"], batch["mask"], 0.5)
-    first, second = (low, high) if order == "low_first" else (high, low)
-    n = int(batch["mask"].sum())
-    w1 = weight - 0.5 * _grad(weight, batch, adv, first, n)
-    w2 = w1 - 0.5 * _grad(w1, batch, adv, second, n)
-    torch.testing.assert_close(got, w2)
-    assert n_steps == 2
-    assert stats["low/token_share"] + stats["high/token_share"] == pytest.approx(1.0)
-    # the second pass's first log-ratio already sees the first pass's drift
-    assert stats[("high" if order == "low_first" else "low") + "/kl_old"] != 0.0
-
-
-def test_grpo_is_one_pass_and_alpha_zero_changes_nothing():
-    weight, batch = _problem(1)
-    got, stats, n_steps = _run(BASE, weight, batch)
-    n = int(batch["mask"].sum())
-    adv = batch["advantages"].unsqueeze(1).float()
-    torch.testing.assert_close(got, weight - 0.5 * _grad(weight, batch, adv, batch["mask"], n))
-    assert n_steps == 1 and set(k.split("/")[0] for k in stats if "/" in k) == {"all", "time"}
-    assert stats["ar_weight"] == 1.0
-
-
-def test_lopti_and_ar_change_the_update():
-    weight, batch = _problem(2)
-    results = [_run(dataclasses.replace(BASE, alpha=a, lopti=lo), weight, batch)[0]
-               for a, lo in [(0.0, False), (0.3, False), (0.0, True), (0.3, True)]]
-    for i in range(4):
-        for j in range(i + 1, 4):
-            assert not torch.allclose(results[i], results[j])
-
-
-def test_micro_batching_does_not_change_the_update_and_mini_batches_are_optimizer_steps():
-    weight, batch = _problem(3)
-    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, mini_batch_size=3, micro_batch_size=3)
-    ref, _, n_ref = _run(cfg, weight, batch, optim=torch.optim.AdamW)
-    got, _, n_got = _run(dataclasses.replace(cfg, micro_batch_size=1), weight, batch, optim=torch.optim.AdamW)
-    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-    # one step per (pass, mini-batch) that holds tokens of that pass
-    low, high = lopti_masks(batch["old_logprobs"], batch["mask"], cfg.eta)
-    expected = sum(bool(m[r : r + 3].any()) for m in (low, high) for r in range(0, B, 3))
-    assert 2 <= expected and n_ref == n_got == expected
-    _, _, n_epochs = _run(dataclasses.replace(cfg, num_iterations=2), weight, batch)
-    assert n_epochs == 2 * expected
-
-
-def test_gradient_clipping_is_applied_per_optimizer_step():
-    weight, batch = _problem(4)
-    unclipped, stats, _ = _run(BASE, weight, batch)
-    clipped, _, _ = _run(dataclasses.replace(BASE, max_grad_norm=1e-3), weight, batch)
-    step = (clipped - weight).norm().item()
-    assert step == pytest.approx(0.5 * 1e-3, rel=1e-4) and stats["all/grad_norm"] > 1e-3
-    assert (unclipped - weight).norm().item() > step
-
-
-def test_an_empty_lopti_stage_takes_no_optimizer_step():
-    # eta tiny: no token is "low", so Lopti must be exactly one GRPO pass. A step on the empty stage's zero
-    # gradient would still move AdamW's weights (weight decay) and shift its bias correction.
-    weight, batch = _problem(5)
-    grpo, _, n_grpo = _run(BASE, weight, batch, optim=torch.optim.AdamW, weight_decay=0.1)
-    lopti, stats, n_lopti = _run(dataclasses.replace(BASE, lopti=True, eta=1e-9), weight, batch,
-                                 optim=torch.optim.AdamW, weight_decay=0.1)
-    torch.testing.assert_close(lopti, grpo, atol=0, rtol=0)
-    assert n_grpo == n_lopti == 1
-    assert stats["low/token_share"] == 0.0 and stats["low/clip_high"] == 0.0 and stats["low/grad_norm"] == 0.0
-
-
-def test_a_non_finite_gradient_skips_the_step_instead_of_corrupting_the_weights():
-    weight, batch = _problem(6)
-    w = torch.nn.Parameter(weight.clone())
-    opt = torch.optim.AdamW([w], lr=0.5)
-    nan_fn = lambda mb: token_logprobs(mb["x"] @ w, mb["tokens"]) * float("nan")  # noqa: E731
-    stats = update_policy(BASE, nan_fn, opt, batch)
-    assert torch.equal(w.detach(), weight) and stats["all/skipped_steps"] == 1 and not opt.state
-    assert w.grad is None
-
-
-@pytest.mark.parametrize("alpha,lopti_on", [(0.0, False), (0.3, True)])
-def test_zero_advantage_rows_are_skipped_and_the_step_is_unchanged(alpha, lopti_on):
-    """beta = 0: a row whose advantage is 0 (a group whose rewards are all equal) has no gradient, so it is not
-    computed, and the parameters after the step equal those of the full computation over every row (same
-    token-mean denominator). Its pi_old is never read: a NaN placeholder changes nothing."""
-    weight, batch = _problem(7)
-    # group 1's rewards are all equal; in group 2, reward 1 is the mean: advantage exactly 0 as well
-    batch["advantages"] = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 1.0]), group_size=3)
-    skipped = batch["advantages"] == 0
-    assert skipped.tolist() == [True, True, True, False, False, True]
-    seen = []
-    w = torch.nn.Parameter(weight.clone())
-    opt = torch.optim.AdamW([w], lr=0.5, weight_decay=0.1)
-    cfg = dataclasses.replace(BASE, alpha=alpha, lopti=lopti_on, micro_batch_size=2)
-    placeholder = {**batch, "old_logprobs": torch.where(skipped[:, None], float("nan"), batch["old_logprobs"])}
-    stats = update_policy(cfg, lambda mb: seen.append(len(mb["x"])) or token_logprobs(mb["x"] @ w, mb["tokens"]),
-                          opt, placeholder)
-    stages = lopti_masks(batch["old_logprobs"], batch["mask"], 0.5) if lopti_on else (batch["mask"],)
-    assert sum(seen) == sum(int((m.any(1) & ~skipped).sum()) for m in stages)  # only rows with an advantage
-    # by hand, over all 6 rows: AR, the split, and AdamW steps on the full batch's gradients
-    w_ref = torch.nn.Parameter(weight.clone())
-    opt_ref = torch.optim.AdamW([w_ref], lr=0.5, weight_decay=0.1)
-    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], alpha)
-    for stage in stages:
-        opt_ref.zero_grad()
-        lp = token_logprobs(batch["x"] @ w_ref, batch["tokens"])
-        policy_loss(lp, batch["old_logprobs"], adv * stage, batch["mask"], kl_mask=stage)[0].backward()
-        opt_ref.step()
-    torch.testing.assert_close(w.detach(), w_ref.detach(), atol=1e-12, rtol=0)
-    for name, stage in zip(("low", "high") if lopti_on else ("all",), stages):
-        assert stats[f"{name}/rows"] == pytest.approx(float((stage.any(1) & ~skipped).float().mean()))
-
-
-def test_a_batch_without_any_gradient_takes_no_step():
-    weight, batch = _problem(8)
-    batch["advantages"] = torch.zeros(B)
-    w, stats, n_steps = _run(dataclasses.replace(BASE, alpha=0.3, lopti=True), weight, batch, optim=torch.optim.AdamW,
-                             weight_decay=0.1)
-    assert torch.equal(w, weight) and n_steps == 0
-    assert stats["ar_weight"] is None and stats["low/token_share"] is None and stats["low/rows"] == 0.0
-    # with a KL penalty every row has a gradient, advantage or not
-    batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
-    _, _, n_kl = _run(dataclasses.replace(BASE, beta=0.1), weight, batch)
-    assert n_kl == 1
-
-
-# --- update_counts (Figure 3 of an update) and measure_bins (Figure 1 for any policy: the toy's and diagnose's)
+BASE = Config(alpha=0.0, lopti=False, beta=0.0, max_grad_norm=1e9, mini_batch_size=B, micro_batch_size=B,
+              prompts_per_step=2, num_generations=3)
 
 
 class _Linear(torch.nn.Module):
@@ -190,108 +62,377 @@ class _Linear(torch.nn.Module):
         return token_logprobs(mb["x"] @ self.weight, mb["tokens"])
 
 
-def test_the_four_bins_gradients_add_up_to_the_all_token_gradient():
+# --- update_policy
+
+
+@pytest.mark.parametrize("order", ["low_first", "high_first"])
+def test_lopti_is_two_sequential_passes_with_the_same_pi_old(order):
+    """Algorithm 1 by hand: AR, one split from pi_old, w1 = w0 - lr g_first(w0), w2 = w1 - lr g_second(w1)."""
     weight, batch = _problem()
+    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, eta=0.5, lopti_order=order)
+    got, stats, n_steps = _run(cfg, weight, batch)
+    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], 0.3)
+    low, high = lopti_masks(batch["old_logprobs"], batch["mask"], 0.5)
+    first, second = (low, high) if order == "low_first" else (high, low)
+    n = int(batch["mask"].sum())
+    w1 = weight - 0.5 * _grad(weight, batch, adv, first, n)
+    w2 = w1 - 0.5 * _grad(w1, batch, adv, second, n)
+    torch.testing.assert_close(got, w2)
+    assert n_steps == 2
+    assert stats["low/token_share"] + stats["high/token_share"] == pytest.approx(1.0)
+
+
+def test_grpo_is_one_pass():
+    """GRPO: one step along the all-token gradient; only all/ and time/ metrics."""
+    weight, batch = _problem(1)
+    got, stats, n_steps = _run(BASE, weight, batch)
+    n = int(batch["mask"].sum())
+    adv = batch["advantages"].unsqueeze(1).float()
+    torch.testing.assert_close(got, weight - 0.5 * _grad(weight, batch, adv, batch["mask"], n))
+    assert n_steps == 1 and set(k.split("/")[0] for k in stats) == {"all", "time"}
+    assert stats["all/token_share"] == 1.0
+
+
+def test_lopti_and_ar_change_the_update():
+    """GRPO, AR, Lopti and AR+Lopti are four different updates."""
+    weight, batch = _problem(2)
+    results = [_run(dataclasses.replace(BASE, alpha=a, lopti=lo), weight, batch)[0]
+               for a, lo in [(0.0, False), (0.3, False), (0.0, True), (0.3, True)]]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not torch.allclose(results[i], results[j])
+
+
+def test_micro_batching_does_not_change_the_update_and_mini_batches_are_optimizer_steps():
+    """Micro-batches accumulate to the mini-batch's gradient; one AdamW step per (pass, mini-batch, epoch)."""
+    weight, batch = _problem(3)
+    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, mini_batch_size=3, micro_batch_size=3)
+    ref, _, n_ref = _run(cfg, weight, batch, optim=torch.optim.AdamW)
+    got, _, n_got = _run(dataclasses.replace(cfg, micro_batch_size=1), weight, batch, optim=torch.optim.AdamW)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+    low, high = lopti_masks(batch["old_logprobs"], batch["mask"], cfg.eta)
+    expected = sum(bool(m[r: r + 3].any()) for m in (low, high) for r in range(0, B, 3))
+    assert 2 <= expected and n_ref == n_got == expected
+    _, _, n_epochs = _run(dataclasses.replace(cfg, num_iterations=2), weight, batch)
+    assert n_epochs == 2 * expected
+
+
+def test_gradient_clipping_is_applied_per_optimizer_step():
+    """max_grad_norm bounds each step: an SGD step's length is lr * max_grad_norm."""
+    weight, batch = _problem(4)
+    unclipped, stats, _ = _run(BASE, weight, batch)
+    clipped, _, _ = _run(dataclasses.replace(BASE, max_grad_norm=1e-3), weight, batch)
+    step = (clipped - weight).norm().item()
+    assert step == pytest.approx(0.5 * 1e-3, rel=1e-4) and stats["all/grad_norm"] > 1e-3
+    assert (unclipped - weight).norm().item() > step
+
+
+def test_an_empty_lopti_stage_takes_no_optimizer_step():
+    """eta tiny: no token is low, so Lopti is one GRPO pass; a step on the empty stage's zero gradient would still
+    move AdamW's weights (decay) and its bias correction."""
+    weight, batch = _problem(5)
+    grpo, _, n_grpo = _run(BASE, weight, batch, optim=torch.optim.AdamW, weight_decay=0.1)
+    lopti_w, stats, n_lopti = _run(dataclasses.replace(BASE, lopti=True, eta=1e-9), weight, batch,
+                                   optim=torch.optim.AdamW, weight_decay=0.1)
+    torch.testing.assert_close(lopti_w, grpo, atol=0, rtol=0)
+    assert n_grpo == n_lopti == 1
+    assert stats["low/token_share"] == 0.0 and stats["low/clip_high"] == 0.0 and stats["low/grad_norm"] == 0.0
+
+
+def test_a_non_finite_gradient_skips_the_step_instead_of_corrupting_the_weights():
+    """A NaN gradient: no optimiser step (no AdamW state), the weights unchanged, the gradients freed."""
+    weight, batch = _problem(6)
+    w = torch.nn.Parameter(weight.clone())
+    opt = torch.optim.AdamW([w], lr=0.5)
+    nan_fn = lambda mb: token_logprobs(mb["x"] @ w, mb["tokens"]) * float("nan")  # noqa: E731
+    update_policy(BASE, nan_fn, opt, batch)
+    assert torch.equal(w.detach(), weight) and not opt.state and w.grad is None
+
+
+@pytest.mark.parametrize("alpha,lopti_on", [(0.0, False), (0.3, True)])
+def test_zero_advantage_rows_are_skipped_and_the_step_is_unchanged(alpha, lopti_on):
+    """beta = 0: a row with A = 0 has no gradient, so it is never computed (its pi_old never read: a NaN placeholder
+    changes nothing), and the step equals the full computation over every row (same token-mean denominator)."""
+    weight, batch = _problem(7)
+    batch["advantages"] = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 1.0]), group_size=3)
+    skipped = batch["advantages"] == 0
+    assert skipped.tolist() == [True, True, True, False, False, True]
+    seen = []
+    w = torch.nn.Parameter(weight.clone())
+    opt = torch.optim.AdamW([w], lr=0.5, weight_decay=0.1)
+    cfg = dataclasses.replace(BASE, alpha=alpha, lopti=lopti_on, micro_batch_size=2)
+    placeholder = {**batch, "old_logprobs": torch.where(skipped[:, None], float("nan"), batch["old_logprobs"])}
+    update_policy(cfg, lambda mb: seen.append(len(mb["x"])) or token_logprobs(mb["x"] @ w, mb["tokens"]), opt,
+                  placeholder)
+    stages = lopti_masks(batch["old_logprobs"], batch["mask"], 0.5) if lopti_on else (batch["mask"],)
+    assert sum(seen) == sum(int((m.any(1) & ~skipped).sum()) for m in stages)  # only rows with an advantage
+    w_ref = torch.nn.Parameter(weight.clone())
+    opt_ref = torch.optim.AdamW([w_ref], lr=0.5, weight_decay=0.1)
+    adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], alpha)
+    for stage in stages:  # by hand, over all 6 rows
+        opt_ref.zero_grad()
+        lp = token_logprobs(batch["x"] @ w_ref, batch["tokens"])
+        policy_loss(lp, batch["old_logprobs"], adv * stage, batch["mask"], kl_mask=stage)[0].backward()
+        opt_ref.step()
+    torch.testing.assert_close(w.detach(), w_ref.detach(), atol=1e-12, rtol=0)
+
+
+def test_a_batch_without_any_gradient_takes_no_step():
+    """All A = 0 and beta = 0: no forward, no step (AdamW's decay would move the weights); with beta > 0 the KL
+    term gives every row a gradient."""
+    weight, batch = _problem(8)
+    batch["advantages"] = torch.zeros(B)
+    w, stats, n_steps = _run(dataclasses.replace(BASE, alpha=0.3, lopti=True), weight, batch, optim=torch.optim.AdamW,
+                             weight_decay=0.1)
+    assert torch.equal(w, weight) and n_steps == 0 and stats["low/token_share"] == 0.0
+    assert lopti.rows_with_gradient(batch["advantages"], 0.0).tolist() == [False] * B
+    assert lopti.rows_with_gradient(batch["advantages"], 0.1).tolist() == [True] * B
+    batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
+    _, _, n_kl = _run(dataclasses.replace(BASE, beta=0.1), weight, batch)
+    assert n_kl == 1
+
+
+def test_sgd_is_one_plain_step():
+    """--optimizer sgd: p - lr * g exactly (no momentum, no decay); update_policy steps along GRPO's gradient."""
+    weight, batch = _problem()
+    cfg = dataclasses.replace(BASE, learning_rate=1e-3, optimizer="sgd", weight_decay=0.5)  # (SGD ignores decay)
     model = _Linear(weight)
-    bins = bin_masks(batch["old_logprobs"], batch["mask"])
-    assert (bins.sum(0) == batch["mask"]).all() and all(b.any() for b in bins)  # a partition; no bin empty
-    cfg = Config(micro_batch_size=4)
-    grads = bin_gradients(cfg, model, model.logprobs, batch)
-    whole = _grad(weight, batch, batch["advantages"][:, None].expand(B, T), batch["mask"], int(batch["mask"].sum()))
-    torch.testing.assert_close(sum(g[0] for g in grads), whole, rtol=1e-12, atol=1e-12)
-    for g, b in zip(grads, bins):  # and each bin's is the loss's gradient with only that bin's advantages
-        torch.testing.assert_close(g[0], _grad(weight, batch, batch["advantages"][:, None] * b, batch["mask"],
-                                               int(batch["mask"].sum())), rtol=1e-12, atol=1e-12)
+    model.weight.grad = torch.randn_like(weight)
+    lopti.make_optimizer(model, cfg).step()
+    assert torch.equal(model.weight.detach(), torch.add(weight, model.weight.grad, alpha=-1e-3))
+    model = _Linear(weight)
+    update_policy(cfg, model.logprobs, lopti.make_optimizer(model, cfg), batch)
+    grad = _grad(weight, batch, batch["advantages"][:, None].float(), batch["mask"], int(batch["mask"].sum()))
+    torch.testing.assert_close(model.weight.detach(), weight - 1e-3 * grad, rtol=1e-12, atol=1e-15)
 
 
-def test_one_token_gradient_norm_by_hand():
-    """One token of pi = 0.8 over two choices, A = 1.5: d(-A pi/pi_old)/dz = -A (e_0 - pi), whose norm is
-    A (1 - pi) sqrt(2) = 0.3 sqrt(2); it falls in bin (.75, 1] and the other bins' norms are 0."""
-    z = torch.tensor([[math.log(4.0), 0.0]], dtype=torch.float64)  # pi = (0.8, 0.2)
-    model = _Linear(z)
-    batch = {"x": torch.ones(1, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0]]),
-             "mask": torch.tensor([[True]]), "advantages": torch.tensor([1.5], dtype=torch.float64)}
-    batch["old_logprobs"] = model.logprobs(batch).detach()
-    r = measure_bins(Config(micro_batch_size=1), model, model.logprobs, batch)
-    assert r["grad_norm"]["bins"] == pytest.approx([0, 0, 0, 0.3 * math.sqrt(2)], rel=1e-6)  # policy_loss is fp32
-    assert r["grad_norm"]["all"] == pytest.approx(0.3 * math.sqrt(2), rel=1e-6)
-    assert r["token_share"] == {"all": [0, 0, 0, 1], "nonzero_advantage": [0, 0, 0, 1]}
-    assert r["prob_change"]["all"]["mean"][:3] == [None] * 3  # an empty bin is None, never NaN
+def test_clip_share_is_a_share_with_two_epochs():
+    """clip_high is the share of tokens clipped: every A > 0 token clipped in every epoch gives the same share with
+    one epoch or two."""
+    weight, batch = _problem(10)
+    skewed = {**batch, "old_logprobs": batch["old_logprobs"] - 1.0}  # ratio e > 1.24: every A > 0 token clipped
+    cfg = dataclasses.replace(BASE, learning_rate=1e-9)
+    one = _run(cfg, weight, skewed)[1]["all/clip_high"]
+    two = _run(dataclasses.replace(cfg, num_iterations=2), weight, skewed)[1]["all/clip_high"]
+    assert 0 < one <= 1 and two == pytest.approx(one)
 
 
-def test_update_counts_of_a_known_case_by_hand():
-    """One shared context, pi = (0.1, 0.8, 0.1); responses: token 0 (A = 1), token 1 (A = 1), token 2 (A = -0.1),
-    and a padded one. GRPO's ascent direction on the logits is g = sum A (e_o - pi) = (0.81, -0.52, -0.29), and
-    d log pi_j = g_j - pi . g = (+1.174, -0.156, +0.074): the rare token 0 rises and the likely token 1 falls (Figure
-    3's mechanism, a low-probability token pushing a likely one down), and token 2 (A < 0) rises too. So after one
-    plain SGD step of GRPO: A > 0 tokens [1, 0, 0, 1] per bin, of which rose [1, 0, 0, 0]; A < 0 tokens [1, 0, 0, 0],
-    of which fell [0, 0, 0, 0]; the padded row is in no count."""
+# --- update_counts, pool_counts, figure3_shares (Figure 3)
+
+
+def test_update_counts_golden_with_ties():
+    """Per pi_old bin: A > 0 tokens that rose, fell or tied; A < 0 tokens that fell, rose or tied; padding and A = 0
+    rows in no count."""
+    before = torch.log(torch.tensor([[0.1, 0.3, 0.6, 0.9], [0.2, 0.8, 0.9, 0.4], [0.5, 0.5, 0.5, 0.5]]))
+    after = before.clone()
+    after[0, 0], after[0, 2], after[0, 3] = math.log(0.2), math.log(0.5), math.log(0.95)  # rose, fell, rose; tie
+    after[1, 0], after[1, 1], after[1, 3] = math.log(0.1), math.log(0.85), math.log(0.1)  # fell, rose; tie; padding
+    after[2] = 0.0  # A = 0: not counted
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    c = update_counts(before, after, torch.tensor([1.0, -0.5, 0.0]), mask)
+    assert c == {"update/pos_tokens": [1, 1, 1, 1], "update/pos_rose": [1, 0, 0, 1], "update/pos_fell": [0, 0, 1, 0],
+                 "update/neg_tokens": [1, 0, 0, 2], "update/neg_fell": [1, 0, 0, 0], "update/neg_rose": [0, 0, 0, 1]}
+    assert set(c) == {f"update/{k}" for k in lopti.UPDATE_KEYS}
+    json.dumps(c, allow_nan=False)
+    # binned by old_logprobs when given (training's pi_old), not by `before`
+    old = torch.log(torch.full((3, 4), 0.1))
+    c = update_counts(before, after, torch.tensor([1.0, -0.5, 0.0]), mask, old)
+    assert c["update/pos_tokens"] == [4, 0, 0, 0] and c["update/pos_rose"] == [2, 0, 0, 0]
+    assert c["update/neg_tokens"] == [3, 0, 0, 0] and c["update/neg_rose"] == [1, 0, 0, 0]
+
+
+def test_update_counts_of_one_sgd_step_shows_figure_3s_mechanism():
+    """One context, pi = (0.1, 0.8, 0.1); responses token 0 (A = 1), token 1 (A = 1), token 2 (A = -0.1) and a padded
+    one. GRPO's ascent direction on the logits is g = sum A (e_o - pi) = (0.81, -0.52, -0.29) and d log pi = g - pi.g
+    = (+1.174, -0.156, +0.074): the rare token 0 rises, the likely A > 0 token 1 falls, token 2 (A < 0) rises."""
     z = torch.log(torch.tensor([[0.1, 0.8, 0.1]], dtype=torch.float64))
     model = _Linear(z)
     batch = {"x": torch.ones(4, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0], [1], [2], [1]]),
              "mask": torch.tensor([[True], [True], [True], [False]]),
              "advantages": torch.tensor([1.0, 1.0, -0.1, 0.0], dtype=torch.float64)}
     batch["old_logprobs"] = model.logprobs(batch).detach()
-    cfg = Config(micro_batch_size=2, mini_batch_size=4, alpha=0.0, lopti=False, beta=0.0, optimizer="sgd",
-                 learning_rate=1e-2)
+    cfg = dataclasses.replace(BASE, micro_batch_size=2, mini_batch_size=4, prompts_per_step=1, num_generations=4,
+                              optimizer="sgd", learning_rate=1e-2)
     update_policy(cfg, model.logprobs, lopti.make_optimizer(model, cfg), batch)
     with torch.no_grad():
-        c = lopti.update_counts(batch["old_logprobs"], model.logprobs(batch), batch["advantages"], batch["mask"])
-    assert (c["update/pos_tokens"], c["update/pos_rose"]) == ([1, 0, 0, 1], [1, 0, 0, 0])
-    assert (c["update/neg_tokens"], c["update/neg_fell"]) == ([1, 0, 0, 0], [0, 0, 0, 0])
-    assert c["update/pos_change"][0] > 0 > c["update/pos_change"][3] and c["update/pos_change"][1] is None
-    assert c["update/neg_change"][0] > 0 and c["update/neg_change"][1:] == [None] * 3
-    json.dumps(c, allow_nan=False)
+        c = update_counts(batch["old_logprobs"], model.logprobs(batch), batch["advantages"], batch["mask"])
+    assert (c["update/pos_tokens"], c["update/pos_rose"], c["update/pos_fell"]) == ([1, 0, 0, 1], [1, 0, 0, 0],
+                                                                                     [0, 0, 0, 1])
+    assert (c["update/neg_tokens"], c["update/neg_fell"], c["update/neg_rose"]) == ([1, 0, 0, 0], [0] * 4,
+                                                                                     [1, 0, 0, 0])
 
 
-def test_pooling_sums_counts_and_weights_changes_by_tokens():
-    a = {"update/pos_tokens": [2, 0, 1, 3], "update/pos_rose": [1, 0, 1, 1], "update/neg_tokens": [1, 1, 0, 0],
-         "update/neg_fell": [1, 0, 0, 0], "update/pos_change": [0.1, None, -0.2, 0.3],
-         "update/neg_change": [-0.5, 0.25, None, None]}
-    b = {**a, "update/pos_tokens": [1, 0, 0, 1], "update/pos_rose": [1, 0, 0, 0],
-         "update/pos_change": [0.4, None, None, -0.3]}
-    p = lopti.pool_update_counts([a, b, {"step": 3}])  # a line without the measurement adds nothing
-    assert p["pos_tokens"] == [3, 0, 1, 4] and p["pos_rose"] == [2, 0, 1, 1] and p["neg_tokens"] == [2, 2, 0, 0]
-    assert p["pos_change"] == pytest.approx([0.2, None, -0.2, 0.15]) and p["neg_change"][:2] == [-0.5, 0.25]
-    assert lopti.fig3_ratio(p) == [2 / 3, None, 1.0, 0.25]
+def test_pool_counts_sums_per_bin():
+    """Steps and runs pool by summing; a metrics line without counts adds 0."""
+    a = {"update/pos_tokens": [2, 0, 1, 3], "update/pos_rose": [1, 0, 1, 1], "update/pos_fell": [1, 0, 0, 1],
+         "update/neg_tokens": [1, 1, 0, 0], "update/neg_fell": [1, 0, 0, 0], "update/neg_rose": [0, 1, 0, 0]}
+    b = {**a, "update/pos_tokens": [1, 0, 0, 1], "update/pos_rose": [1, 0, 0, 0]}
+    p = pool_counts([a, b, {"step": 3}])
+    assert p == {"update/pos_tokens": [3, 0, 1, 4], "update/pos_rose": [2, 0, 1, 1], "update/pos_fell": [2, 0, 0, 2],
+                 "update/neg_tokens": [2, 2, 0, 0], "update/neg_fell": [2, 0, 0, 0], "update/neg_rose": [0, 2, 0, 0]}
+    assert pool_counts([]) == {f"update/{k}": [0] * 4 for k in lopti.UPDATE_KEYS}
+
+
+def test_figure3_shares_golden():
+    """rose = rose / A > 0 tokens; rose_of_moved = rose / (rose + fell); ties = unmoved / tokens; None when empty."""
+    c = {"update/pos_tokens": [4, 0, 2, 10], "update/pos_rose": [2, 0, 1, 5], "update/pos_fell": [1, 0, 1, 0]}
+    assert figure3_shares(c) == {"rose": [0.5, None, 0.5, 0.5], "rose_of_moved": [pytest.approx(2 / 3), None, 0.5, 1.0],
+                                 "ties": [0.25, None, 0.0, 0.5]}
+    tied = {"update/pos_tokens": [3, 0, 0, 0], "update/pos_rose": [0] * 4, "update/pos_fell": [0] * 4}
+    assert figure3_shares(tied)["rose_of_moved"][0] is None and figure3_shares(tied)["ties"][0] == 1.0
+
+
+# --- method_config, paired_counts, paired_deltas (Figure 3 paired)
+
+
+def test_method_config():
+    """Each method of METHODS from one cfg: AR keeps cfg's alpha (or the paper's 0.3 if cfg's is 0); grpo_2_epochs
+    doubles the epochs (the compute-matched control); the ablation is high_first; the rest are untouched."""
+    cfg = dataclasses.replace(BASE, alpha=0.1, lopti=True, lopti_order="high_first", num_iterations=3, eta=0.4)
+    got = {m: method_config(cfg, m) for m in lopti.METHODS}
+    assert {m: (c.alpha, c.lopti, c.lopti_order, c.num_iterations) for m, c in got.items()} == {
+        "grpo": (0.0, False, "low_first", 3), "ar": (0.1, False, "low_first", 3), "lopti": (0.0, True, "low_first", 3),
+        "ar_lopti": (0.1, True, "low_first", 3), "grpo_2_epochs": (0.0, False, "low_first", 6),
+        "lopti_high_first": (0.0, True, "high_first", 3)}
+    assert all((c.eta, c.learning_rate, c.mini_batch_size) == (0.4, cfg.learning_rate, B) for c in got.values())
+    zero = dataclasses.replace(cfg, alpha=0.0)
+    assert method_config(zero, "ar").alpha == method_config(zero, "ar_lopti").alpha == 0.3
+    assert lopti.method_name(dataclasses.asdict(method_config(cfg, "ar_lopti"))) == "ar_lopti"
+
+
+def _paired_setup():
+    """A _Linear policy after one AdamW update (a non-empty optimiser state), and a fresh batch to measure."""
+    weight, batch = _problem(9)
+    model = _Linear(weight)
+    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, mini_batch_size=3, micro_batch_size=3, learning_rate=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    update_policy(cfg, model.logprobs, opt, _problem(10)[1])
+    with torch.no_grad():
+        batch["old_logprobs"] = model.logprobs(batch)
+    return cfg, model, opt, batch
+
+
+def _measure(model, batch):
+    with torch.no_grad():
+        return model.logprobs(batch)
+
+
+def test_paired_counts_restores_weights_and_optimizer_state_bit_for_bit():
+    """After every method's update, the weights and AdamW's state are those from before, and the next update is
+    the one that would have followed without the paired measurement."""
+    cfg, model, opt, batch = _paired_setup()
+    weights, state = model.weight.detach().clone(), copy.deepcopy(opt.state_dict())
+    twin = _Linear(weights)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.05, weight_decay=0.1)
+    twin_opt.load_state_dict(copy.deepcopy(state))
+    out = paired_counts(cfg, model, opt, model.logprobs, batch, lambda: _measure(model, batch),
+                        _measure(model, batch), list(lopti.METHODS))
+    assert list(out) == list(lopti.METHODS)
+    assert torch.equal(model.weight.detach(), weights)
+    now = opt.state_dict()
+    assert now["param_groups"] == state["param_groups"]
+    for k, s in state["state"].items():
+        assert set(now["state"][k]) == set(s) and all(torch.equal(now["state"][k][n], v) for n, v in s.items())
+    update_policy(cfg, model.logprobs, opt, batch)
+    update_policy(cfg, twin.logprobs, twin_opt, batch)
+    assert torch.equal(model.weight.detach(), twin.weight.detach())
+
+
+def test_paired_counts_equal_each_method_run_alone_from_the_same_state():
+    """Each method's counts are those of its whole update (method_config) from the shared weights and state."""
+    cfg, model, opt, batch = _paired_setup()
+    weights, state, before = model.weight.detach().clone(), copy.deepcopy(opt.state_dict()), _measure(model, batch)
+    out = paired_counts(cfg, model, opt, model.logprobs, batch, lambda: _measure(model, batch), before,
+                        list(lopti.METHODS))
+    moved = {}
+    for m in lopti.METHODS:
+        alone = _Linear(weights)
+        alone_opt = torch.optim.AdamW(alone.parameters(), lr=0.05, weight_decay=0.1)
+        alone_opt.load_state_dict(copy.deepcopy(state))
+        update_policy(method_config(cfg, m), alone.logprobs, alone_opt, batch)
+        after = _measure(alone, batch)
+        assert out[m] == update_counts(before, after, batch["advantages"], batch["mask"], batch["old_logprobs"]), m
+        moved[m] = alone.weight.detach()
+    assert not torch.equal(moved["grpo"], moved["lopti"]) and not torch.equal(moved["grpo"], moved["grpo_2_epochs"])
+
+
+def _unit(n, rose_ref, rose_m):
+    return {"grpo": {"update/pos_tokens": n, "update/pos_rose": rose_ref},
+            "lopti": {"update/pos_tokens": n, "update/pos_rose": rose_m}}
+
+
+def test_paired_deltas_golden():
+    """delta = pooled (rose_m - rose_ref) / pooled A > 0 tokens. With 3 units, each unit drawn thrice has chance
+    1/27 > 2.5 %, so the percentile interval is exactly [min, max] of the units' own ratios (the pooled ratio, a
+    mediant, lies inside); 'resolved' iff it excludes 0. Bins: units agree (+), disagree, empty, all zero."""
+    units = [_unit([10, 10, 0, 5], [5, 5, 0, 1], [6, 7, 0, 1]),
+             _unit([20, 10, 0, 5], [10, 5, 0, 1], [14, 4, 0, 1]),
+             _unit([10, 10, 0, 5], [5, 5, 0, 1], [7, 5, 0, 1])]
+    d = paired_deltas(units)
+    assert list(d) == ["lopti"]
+    d = d["lopti"]
+    assert d["delta"] == [pytest.approx(7 / 40), pytest.approx(1 / 30), None, 0.0]
+    assert d["ci95"][0] == pytest.approx([0.1, 0.2]) and d["ci95"][1] == pytest.approx([-0.1, 0.2])
+    assert d["ci95"][2] is None and d["ci95"][3] == [0.0, 0.0]
+    assert d["resolved"] == [True, False, False, False]
+    for (lo, hi), x in zip(d["ci95"][:2], d["delta"][:2]):
+        assert lo <= x <= hi
+
+
+# --- measure_bins (Figure 1)
+
+
+def test_the_four_bins_gradients_add_up_to_the_all_token_gradient():
+    """Per bin, the norm of GRPO's gradient with only that bin's advantages (at ratio 1, token-mean over the whole
+    batch); 'all' is the norm of their sum, the whole batch's gradient."""
+    weight, batch = _problem()
+    model = _Linear(weight)
+    bins = bin_masks(batch["old_logprobs"], batch["mask"])
+    assert (bins.sum(0) == batch["mask"]).all() and all(b.any() for b in bins)  # a partition; no bin empty
+    r = measure_bins(dataclasses.replace(BASE, micro_batch_size=2), model, model.logprobs, batch)
+    n, adv = int(batch["mask"].sum()), batch["advantages"][:, None].expand(B, T)
+    assert r["grad_norm"]["all"] == pytest.approx(_grad(weight, batch, adv, batch["mask"], n).norm().item(), rel=1e-5)
+    assert r["grad_norm"]["bins"] == pytest.approx([_grad(weight, batch, adv * b, batch["mask"], n).norm().item()
+                                                    for b in bins], rel=1e-5)
+    assert torch.equal(model.weight.detach(), weight)  # measuring moves nothing
+    assert r["token_share"] == pytest.approx([float(b.sum() / batch["mask"].sum()) for b in bins])
+
+
+def test_one_token_gradient_norm_by_hand():
+    """One token of pi = 0.8 over two choices, A = 1.5: d(-A pi/pi_old)/dz = -A (e_0 - pi), of norm
+    A (1 - pi) sqrt(2) = 0.3 sqrt(2), in bin (.75, 1]; the other bins' norms are 0."""
+    z = torch.tensor([[math.log(4.0), 0.0]], dtype=torch.float64)  # pi = (0.8, 0.2)
+    model = _Linear(z)
+    batch = {"x": torch.ones(1, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0]]),
+             "mask": torch.tensor([[True]]), "advantages": torch.tensor([1.5], dtype=torch.float64)}
+    batch["old_logprobs"] = model.logprobs(batch).detach()
+    r = measure_bins(dataclasses.replace(BASE, micro_batch_size=1), model, model.logprobs, batch)
+    assert r["grad_norm"]["bins"] == pytest.approx([0, 0, 0, 0.3 * math.sqrt(2)], rel=1e-6)  # policy_loss is fp32
+    assert r["grad_norm"]["all"] == pytest.approx(0.3 * math.sqrt(2), rel=1e-6)
+    assert r["token_share"] == [0, 0, 0, 1]
 
 
 def test_measure_bins_takes_pi_old_from_its_own_forward():
-    """diagnose measures in fp32 while a bf16 run's old_logprobs come from the autocast pass: measure_bins recomputes
-    pi_old itself, so the ratio is 1 and no token loses its gradient to a clip bound through rounding alone."""
+    """A bf16 run's old_logprobs differ from diagnose's fp32 pass: measure_bins' ratio is 1 whatever the batch's
+    pi_old (here shifted by +-0.25 in log, which would clip, within each token's bin)."""
     weight, batch = _problem()
     model = _Linear(weight)
-    exact = measure_bins(Config(micro_batch_size=4), model, model.logprobs, batch)
-    skewed = {**batch, "old_logprobs": batch["old_logprobs"] + 0.3 * torch.rand(B, T, dtype=batch["x"].dtype)}
-    assert measure_bins(Config(micro_batch_size=4), model, model.logprobs, skewed) == exact
+    cfg = dataclasses.replace(BASE, micro_batch_size=3)
+    exact = measure_bins(cfg, model, model.logprobs, batch)
+    old = batch["old_logprobs"]
+    shift = 0.25 * torch.where(torch.rand(B, T, generator=torch.Generator().manual_seed(0)) < 0.5, 1.0, -1.0)
+    keep = (bin_masks(old + shift, batch["mask"]) == bin_masks(old, batch["mask"])).all(0)
+    skewed = {**batch, "old_logprobs": torch.where(keep, old + shift, old)}
+    assert (keep & batch["mask"]).sum() >= 10
+    assert measure_bins(cfg, model, model.logprobs, skewed) == exact
 
 
 def test_a_batch_without_advantages_has_nothing_to_measure():
-    """Every group scored alike (a policy collapsed onto one answer): no gradient, no step, no A > 0 token."""
+    """Every group scored alike: zero gradients (no NaN), the token shares still reported, nothing moves."""
     weight, batch = _problem()
     model = _Linear(weight)
-    r = measure_bins(Config(micro_batch_size=4), model, model.logprobs, {**batch, "advantages": torch.zeros(B)})
-    assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"]["nonzero_advantage"] == [None] * 4
-    assert r["prob_change"]["all"]["mean"] == [0.0] * 4 and torch.equal(model.weight.detach(), weight)
-
-
-def test_sgd_is_one_plain_step_and_measure_bins_probe_is_update_policys_sgd_step():
-    """--optimizer sgd: p - lr * g exactly (no momentum, no decay), the official code's analysis optimiser;
-    update_policy with it steps along GRPO's gradient, and so does measure_bins' first probe (bin_gradients' sum)."""
-    weight, batch = _problem()
-    cfg = Config(micro_batch_size=4, mini_batch_size=B, learning_rate=1e-3, optimizer="sgd", max_grad_norm=1e30,
-                 beta=0.0, alpha=0.0, lopti=False, weight_decay=0.5)  # (a decay that SGD must not apply)
-    model = _Linear(weight)
-    model.weight.grad = torch.randn_like(weight)
-    lopti.make_optimizer(model, cfg).step()
-    assert torch.equal(model.weight.detach(), torch.add(weight, model.weight.grad, alpha=-1e-3))  # p + (-lr) g
-    model = _Linear(weight)
-    grad = sum(g[0] for g in bin_gradients(cfg, model, model.logprobs, batch))
-    update_policy(cfg, model.logprobs, lopti.make_optimizer(model, cfg), batch)
-    torch.testing.assert_close(model.weight.detach(), weight - 1e-3 * grad, rtol=1e-12, atol=1e-15)
-    stepped, real, probe = [], torch._foreach_add_, _Linear(weight)
-    with pytest.MonkeyPatch.context() as mp:  # the weights of measure_bins' first probe (GRPO, all tokens)
-        mp.setattr(torch, "_foreach_add_", lambda ps, g, alpha: (real(ps, g, alpha=alpha), stepped.append(
-            ps[0].detach().clone())))
-        measure_bins(cfg, probe, probe.logprobs, batch)
-    torch.testing.assert_close(stepped[0], model.weight.detach(), rtol=1e-12, atol=1e-15)
+    r = measure_bins(dataclasses.replace(BASE, micro_batch_size=3), model, model.logprobs,
+                     {**batch, "advantages": torch.zeros(B)})
+    assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and sum(r["token_share"]) == pytest.approx(1.0)
+    assert torch.equal(model.weight.detach(), weight)
+    json.dumps(r, allow_nan=False)

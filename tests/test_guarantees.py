@@ -1,0 +1,461 @@
+"""What `lopti.py train` guarantees a user (train(), save_checkpoint, resolve_config, main): a signal saves and exits
+143/130, a second one aborts keeping the last checkpoint; a crash loses at most save_every steps and --resume gives
+the steps and metrics of a run never stopped; checkpoints are written as .tmp and renamed; a folder that is not a
+run is never written into; --resume refuses a changed method; no non-finite weight is saved; trainer_state.pt loads
+with weights_only=True; a bad value or data file is one line, exit 2, nothing written; out of memory is one hint."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import lopti
+from conftest import tiny_config, varied_reward
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data" / "kk"
+CPU = torch.device("cpu")
+TINY_FLAGS = ["--prompts_per_step", "2", "--num_generations", "4", "--max_completion_length", "12",
+              "--mini_batch_size", "4", "--micro_batch_size", "2", "--num_train", "16", "--num_people", "3",
+              "--eval_size", "2", "--eval_every", "0", "--eval_batch_size", "4", "--save_every", "1",
+              "--learning_rate", "1e-3", "--weight_decay", "0"]  # = conftest's tiny_config
+TIMINGS = ("time/", "peak_memory_gb")  # what differs between two runs of the same steps
+
+
+def varied_rewards(completions, solutions, format_reward=0.0):
+    """kk_rewards' shape, (B,) Logic-RL's and (B,) training rewards, with variance inside groups (a random tiny
+    model always scores -3, which gives no advantage)."""
+    r = torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
+    return r, r
+
+
+@pytest.fixture
+def rewards(monkeypatch):
+    monkeypatch.setattr(lopti, "kk_rewards", varied_rewards)
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails the test if a model, tokenizer or the puzzles load: the check must come first."""
+    for name in ("load_model", "load_tokenizer", "load_task_data"):
+        monkeypatch.setattr(lopti, name, lambda *a, **k: pytest.fail("checked after loading"))
+
+
+@pytest.fixture
+def sigterm_fails():
+    """A SIGTERM handler that fails the test (the default would end pytest): train must replace it while it runs,
+    and restore it."""
+    def mine(*a):
+        pytest.fail("SIGTERM reached the handler that train replaces")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    yield mine
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A finished 1-step run of the tiny model (checkpoint-1); tests copy it before changing it."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lopti, "kk_rewards", varied_rewards)
+        lopti.train(tiny_config(tiny_model_dir, out, steps=1))
+    return out
+
+
+def train_argv(model_dir, out, *flags) -> list[str]:
+    return ["train", "--model", str(model_dir), "--output_dir", str(out), *TINY_FLAGS, *flags]
+
+
+def run_main(argv) -> int:
+    """main's exit code, argparse's SystemExit included."""
+    try:
+        return lopti.main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
+
+
+def files(folder: Path) -> dict:
+    """Every file under a folder, with its bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line(capsys, *words) -> str:
+    """The command's one message (progress bars aside), which must hold every word; no traceback."""
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("lopti.py")]
+    assert len(lines) == 1 and all(w in lines[0] for w in words) and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def steps_logged(run: Path, name: str = "metrics.jsonl") -> list[int]:
+    return [r["step"] for r in lopti.read_jsonl(run / name) if "reward" in r or name != "metrics.jsonl"]
+
+
+def rows(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMINGS)} for r in lopti.read_jsonl(run / "metrics.jsonl")]
+
+
+def step_of(ckpt: Path) -> int:
+    return torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"]
+
+
+# --- signals: the step in progress is finished and saved, exit 128 + signal; a second signal aborts
+
+DRIVER = """
+import sys, time
+from pathlib import Path
+sys.path[:0] = [{root!r}, {tests!r}]
+import lopti
+from test_guarantees import varied_rewards
+
+lopti.kk_rewards = varied_rewards
+flags, real_step, calls = Path(sys.argv[1]), lopti.train_step, []
+
+def step(*args, **kwargs):  # step 2 waits, before its work, until the test has sent its signal
+    calls.append(1)
+    if len(calls) == 2:
+        (flags / "in_step_2").touch()
+        while not (flags / "sent").exists():
+            time.sleep(0.01)
+    return real_step(*args, **kwargs)
+
+lopti.train_step = step
+sys.exit(lopti.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_finishes_the_step_saves_and_exits_128_plus_it(signum, code, tiny_model_dir, tmp_path, rewards):
+    """`python lopti.py train` sent SIGTERM (a scheduler) or SIGINT (Ctrl-C) during step 2 of 5, with no checkpoint
+    due (save_every 0): step 2 is finished, logged and saved, the exit code is 128 + the signal's, a line says
+    --resume, and --resume continues from step 2."""
+    out, flags = tmp_path / "run", tmp_path / "flags"
+    flags.mkdir()
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    argv = train_argv(tiny_model_dir, out, "--steps", "5", "--save_every", "0")
+    run = subprocess.Popen([sys.executable, str(driver), str(flags), *argv], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while not (flags / "in_step_2").exists():
+            assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.02)
+        run.send_signal(signum)
+        (flags / "sent").touch()
+        err = run.communicate(timeout=120)[1]
+    finally:
+        run.kill()
+    assert run.returncode == code, err[-3000:]
+    assert any("after step 2" in x and "--resume" in x for x in err.splitlines()), err[-3000:]
+    assert [p.name for p in lopti.checkpoints(out)] == ["checkpoint-2"] and step_of(out / "checkpoint-2") == 2
+    assert steps_logged(out) == steps_logged(out, "samples.jsonl") == [1, 2]
+    assert run_main(["train", "--resume", "--output_dir", out, "--steps", "3"]) == 0
+    assert steps_logged(out) == [1, 2, 3]
+
+
+def test_a_second_signal_aborts_the_save_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, rewards,
+                                                                        monkeypatch, capsys, sigterm_fails):
+    """SIGTERM during step 2, then Ctrl-C while step 2's checkpoint is being written: the save is abandoned, exit
+    130, checkpoint-1 stays whole (the half-written one is only a .tmp), the handlers are restored, and --resume
+    redoes step 2."""
+    out, real_step, real_save, calls = tmp_path / "run", lopti.train_step, \
+        transformers.PreTrainedModel.save_pretrained, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    def save(self, path, *args, **kwargs):
+        real_save(self, path, *args, **kwargs)
+        if Path(path).name.startswith("checkpoint-2"):
+            os.kill(os.getpid(), signal.SIGINT)  # before the tokenizer and trainer_state.pt
+
+    monkeypatch.setattr(lopti, "train_step", step)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save)
+    assert run_main(train_argv(tiny_model_dir, out, "--steps", "4")) == 130
+    assert "interrupted" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert signal.getsignal(signal.SIGTERM) is sigterm_fails
+    assert [p.name for p in lopti.checkpoints(out)] == ["checkpoint-1"] and step_of(out / "checkpoint-1") == 1
+    lopti.load_model(str(out / "checkpoint-1"), CPU)  # whole
+    monkeypatch.setattr(lopti, "train_step", real_step)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real_save)
+    assert run_main(["train", "--resume", "--output_dir", out, "--steps", "2"]) == 0
+    assert steps_logged(out) == steps_logged(out, "samples.jsonl") == [1, 2]
+
+
+def test_a_signal_during_an_evaluation_starts_no_further_step(tiny_model_dir, tmp_path, rewards, monkeypatch,
+                                                              sigterm_fails):
+    calls, real_step = [], lopti.train_step
+
+    def evaluate_then_sigterm(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(lopti, "evaluate", evaluate_then_sigterm)
+    with pytest.raises(SystemExit) as exit_:
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "run", steps=4, eval_every=1))
+    assert exit_.value.code == 143 and len(calls) == 1 and step_of(lopti.checkpoints(tmp_path / "run")[-1]) == 1
+
+
+# --- a crash: at most save_every steps lost; --resume gives the run never stopped
+
+
+def test_a_run_killed_mid_run_resumes_to_the_steps_and_metrics_of_a_run_never_stopped(tiny_model_dir, tmp_path,
+                                                                                       rewards, monkeypatch):
+    """5 steps straight, against a run that dies in step 4 (save_every 2: checkpoint-2; step 3 logged, and a line
+    torn by the kill) then resumes: every step logged once, and each step's metrics and the final weights equal."""
+    straight = lopti.train(tiny_config(tiny_model_dir, tmp_path / "straight", steps=5, save_every=2))
+    out, real_step, calls = tmp_path / "run", lopti.train_step, []
+
+    def dies_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("killed")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(lopti, "train_step", dies_in_step_4)
+    with pytest.raises(RuntimeError, match="killed"):
+        lopti.train(tiny_config(tiny_model_dir, out, steps=5, save_every=2))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "rew')  # as a kill -9 while writing leaves it
+    assert [p.name for p in lopti.checkpoints(out)] == ["checkpoint-2"] and steps_logged(out) == [1, 2, 3]
+    monkeypatch.setattr(lopti, "train_step", real_step)
+    assert run_main(["train", "--resume", "--output_dir", out]) == 0
+    assert steps_logged(out) == steps_logged(out, "samples.jsonl") == [1, 2, 3, 4, 5]
+    assert rows(out) == rows(tmp_path / "straight")
+    a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, lopti.checkpoints(out)[-1]))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_is_written_as_tmp_and_a_failed_save_keeps_the_previous(tiny_model_dir, tmp_path, rewards,
+                                                                              monkeypatch, capsys):
+    """The disk fills while step 2's weights are written: checkpoint-1 stays the latest and whole, exit 2 in one
+    line, and --resume redoes step 2 (without the .tmp folder, checkpoint-2 would be taken for a complete one, or
+    checkpoint-1 removed)."""
+    out, real_save, paths = tmp_path / "run", transformers.PreTrainedModel.save_pretrained, []
+
+    def fills_the_disk(self, path, *args, **kwargs):
+        paths.append(Path(path))
+        real_save(self, path, *args, **kwargs)
+        if len(paths) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", fills_the_disk)
+    assert run_main(train_argv(tiny_model_dir, out, "--steps", "3")) == 2
+    one_line(capsys, os.strerror(errno.ENOSPC))
+    assert [p.name for p in paths] == ["checkpoint-1.tmp", "checkpoint-2.tmp"]
+    assert [p.name for p in lopti.checkpoints(out)] == ["checkpoint-1"] and step_of(out / "checkpoint-1") == 1
+    lopti.load_model(str(out / "checkpoint-1"), CPU)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real_save)
+    assert run_main(["train", "--resume", "--output_dir", out]) == 0
+    assert steps_logged(out) == [1, 2, 3] and sorted(p.name for p in out.glob("checkpoint*")) == ["checkpoint-3"]
+
+
+# --- folders that are not a run are never written into
+
+
+@pytest.mark.parametrize("what", ["model", "other files", "finished run"])
+def test_train_refuses_a_non_empty_folder_before_writing(what, tiny_model_dir, trained_run, tmp_path, capsys,
+                                                          no_loading):
+    """A model's folder (the easy slip: --output_dir where --model was meant), a folder of other files, another run
+    without --resume: one line, exit 2, every file as it was, nothing loaded."""
+    folder = {"model": tiny_model_dir, "finished run": trained_run, "other files": tmp_path}[what]
+    (tmp_path / "notes.txt").write_text("mine")
+    before = files(folder)
+    assert run_main(train_argv(tiny_model_dir, folder)) == 2
+    one_line(capsys, str(folder))
+    assert files(folder) == before
+
+
+@pytest.mark.parametrize("what", ["model", "empty", "missing"])
+def test_resume_refuses_a_folder_that_holds_no_run(what, tiny_model_dir, tmp_path, capsys, no_loading):
+    """--resume on a model's folder (its config.json is the model's), an empty or a missing folder: one line naming
+    the folder, exit 2, nothing written or loaded."""
+    folder = {"model": tiny_model_dir, "empty": tmp_path, "missing": tmp_path / "missing"}[what]
+    before = files(folder) if folder.exists() else None
+    assert run_main(["train", "--resume", "--output_dir", folder]) == 2
+    one_line(capsys, str(folder))
+    assert (files(folder) if folder.exists() else None) == before
+
+
+# --- --resume: the method stays, the schedule and memory settings may change
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("alpha", "0.1"), ("lopti", "false"), ("eta", "0.3"), ("lopti_order", "high_first"), ("beta", "0"),
+    ("epsilon_high", "0.2"), ("temperature", "1.0"), ("num_generations", "2"), ("optimizer", "sgd"),
+    ("prompt", "small"), ("max_completion_length", "8"), ("seed", "1"), ("model", "some/other-model")])
+def test_resume_refuses_a_changed_method_setting_before_writing(flag, value, trained_run, capsys, no_loading):
+    before = files(trained_run)
+    assert run_main(["train", "--resume", "--output_dir", trained_run, f"--{flag}", value, "--steps", "2"]) == 2
+    one_line(capsys, "--resume may not change", flag)
+    assert files(trained_run) == before
+
+
+MAY_CHANGE = {"steps": "3", "eval_every": "1", "save_every": "2", "eval_data": str(DATA / "3ppl_20.jsonl"),
+              "eval_size": "3", "eval_batch_size": "2", "micro_batch_size": "1", "generation_batch_size": "4",
+              "gradient_checkpointing": "true", "measure_update": "false", "learning_rate": "1e-4",
+              "output_dir": None}  # (output_dir: the run copied to another folder)
+
+
+def test_may_change_covers_resume_may_change():
+    assert set(MAY_CHANGE) == set(lopti.RESUME_MAY_CHANGE)
+
+
+@pytest.mark.parametrize("flag", sorted(MAY_CHANGE))
+def test_resume_accepts_a_schedule_or_memory_setting(flag, trained_run, tmp_path, monkeypatch):
+    """Each of RESUME_MAY_CHANGE passes the settings check (train goes on to pick a device: stopped there)."""
+    class Passed(Exception):
+        pass
+
+    def passed():
+        raise Passed
+
+    run = shutil.copytree(trained_run, tmp_path / "moved") if flag == "output_dir" else trained_run
+    monkeypatch.setattr(lopti, "pick_device", passed)
+    with pytest.raises(Passed):
+        lopti.main(["train", "--resume", "--output_dir", str(run)] +
+                   ([f"--{flag}", MAY_CHANGE[flag]] if MAY_CHANGE[flag] else []))
+
+
+def test_a_lower_learning_rate_on_resume_is_the_one_used(trained_run, tmp_path, rewards, monkeypatch):
+    run, real, seen = shutil.copytree(trained_run, tmp_path / "run"), lopti.update_policy, []
+
+    def update(cfg, logprob_fn, optimizer, batch):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        return real(cfg, logprob_fn, optimizer, batch)
+
+    monkeypatch.setattr(lopti, "update_policy", update)
+    assert run_main(["train", "--resume", "--output_dir", run, "--steps", "2", "--learning_rate", "1e-4"]) == 0
+    assert seen == [[1e-4]]
+    assert [r["learning_rate"] for r in lopti.read_jsonl(run / "metrics.jsonl") if "reward" in r] == [1e-3, 1e-4]
+    state = torch.load(run / "checkpoint-2" / "trainer_state.pt", weights_only=True)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [1e-4]
+
+
+# --- no non-finite weight is saved
+
+
+def test_a_diverging_step_is_one_line_saves_nothing_and_resume_continues(tiny_model_dir, tmp_path, rewards,
+                                                                          monkeypatch, capsys):
+    """Step 2's update leaves a NaN weight: one line naming step 2 and --learning_rate, exit 2, step 2 neither
+    logged nor saved; --resume --learning_rate LOWER continues from checkpoint-1 to finite weights."""
+    out, real, calls = tmp_path / "run", lopti.update_policy, []
+
+    def diverges_in_step_2(cfg, logprob_fn, optimizer, batch):
+        metrics = real(cfg, logprob_fn, optimizer, batch)
+        calls.append(1)
+        if len(calls) == 2:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][-1].view(-1)[0] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(lopti, "update_policy", diverges_in_step_2)
+    assert run_main(train_argv(tiny_model_dir, out, "--steps", "3")) == 2
+    one_line(capsys, "step 2", "--resume", "--learning_rate")
+    assert [p.name for p in out.glob("checkpoint*")] == ["checkpoint-1"] and steps_logged(out) == [1]
+    monkeypatch.setattr(lopti, "update_policy", real)
+    assert run_main(["train", "--resume", "--output_dir", out, "--learning_rate", "1e-4"]) == 0
+    assert steps_logged(out) == [1, 2, 3]
+    model = lopti.load_model(str(out / "checkpoint-3"), CPU)
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+# --- saved state loads with weights_only=True
+
+
+class RunsCode:
+    """A pickle that runs code when loaded without weights_only: it writes `path`."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return exec, (f"open({self.path!r}, 'w').write('ran')",)
+
+
+def test_a_trainer_state_that_pickles_code_is_refused(trained_run, tmp_path, rewards, capsys):
+    run, ran = shutil.copytree(trained_run, tmp_path / "run"), tmp_path / "ran"
+    state = run / "checkpoint-1" / "trainer_state.pt"
+    torch.save({**torch.load(state, weights_only=True), "payload": RunsCode(ran)}, state)
+    torch.load(state, weights_only=False)  # the payload works: a plain torch.load would run it
+    assert ran.exists()
+    ran.unlink()
+    before = files(run)
+    assert lopti.main(["train", "--resume", "--output_dir", str(run), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trainer_state.pt cannot be loaded safely" in err, err
+    assert not ran.exists() and files(run) == before
+
+
+# --- a bad value or data file: one line naming it, exit 2, nothing written
+
+
+def data_file(tmp_path: Path, kind: str) -> Path:
+    """A K&K file that is not JSON, or whose second row's solution is not its puzzle's."""
+    path, good = tmp_path / f"{kind}.jsonl", (DATA / "3ppl_20.jsonl").read_text().splitlines()
+    if kind == "not_json":
+        path.write_text(good[0] + "\n" + good[1][:50] + "\n")
+    else:
+        row = json.loads(good[1])
+        row["solution_text_format"] = row["solution_text_format"].replace("knight", "KNAVE").replace(
+            "knave", "knight").replace("KNAVE", "knave")
+        path.write_text(good[0] + "\n" + json.dumps(row) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("flag,value,named", [
+    ("alpha", "1.5", "alpha"), ("num_people", "3-9", "num_people"), ("micro_batch_size", "3", "mini_batch_size"),
+    ("learning_rate", "nan", "learning_rate"), ("steps", "ten", "--steps"), ("lopti", "maybe", "--lopti"),
+    ("preset", "huge", "--preset"), ("train_data", "not_json", "not_json.jsonl"),
+    ("train_data", "wrong_solution", "row 1"), ("eval_data", "wrong_solution", "wrong_solution.jsonl"),
+    ("train_data", "missing.jsonl", "missing.jsonl")])
+def test_a_bad_value_or_data_file_is_one_line_exit_2_and_writes_nothing(flag, value, named, tiny_model_dir, tmp_path,
+                                                                         capsys, monkeypatch):
+    monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
+    if value in ("not_json", "wrong_solution"):
+        value = str(data_file(tmp_path, value))
+    out = tmp_path / "run"
+    assert run_main(train_argv(tiny_model_dir, out, f"--{flag}", value)) == 2
+    one_line(capsys, named)
+    assert not out.exists()
+
+
+# --- out of memory: one hint, at the top level
+
+
+@pytest.mark.parametrize("where,error", [
+    ("train_step", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")),
+    ("update_policy", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")),
+    ("rollout", RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")),
+    ("batched_logprobs", MemoryError())])
+def test_out_of_memory_is_one_line_naming_micro_batch_size_exit_1(where, error, tiny_model_dir, tmp_path, rewards,
+                                                                   monkeypatch, capsys):
+    def oom(*a, **k):
+        raise error
+
+    monkeypatch.setattr(lopti, where, oom)
+    assert run_main(train_argv(tiny_model_dir, tmp_path / "run", "--steps", "2")) == 1
+    one_line(capsys, "out of memory", "--micro_batch_size")
+
+
+def test_another_runtime_error_is_not_called_out_of_memory(tiny_model_dir, tmp_path, rewards, monkeypatch):
+    def bug(*a, **k):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(lopti, "update_policy", bug)
+    with pytest.raises(RuntimeError, match="shapes"):
+        lopti.main(train_argv(tiny_model_dir, tmp_path / "run", "--steps", "2"))
