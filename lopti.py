@@ -96,11 +96,9 @@ class Config:
     """End completions at their first '</answer>', as many K&K reproductions do (the paper's end at EOS)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the update's forward passes."""
-    # --- task, reward and schedule
-    prompt: str = "paper"
-    """System prompt: 'paper' (Logic-RL's) or 'small' (no template text for a small model to copy)."""
-    format_reward: float = 0.0
-    """Weight of kk_format_credit in the training reward (0: the paper's reward; metrics stay Logic-RL's)."""
+    # --- task, warm-up and schedule
+    warmup_steps: int = 0
+    """Supervised steps on the solver's own case analysis before RL (kk_case_analysis; 0: none, the paper's)."""
     train_data: str = "generate"
     """'generate' (fresh puzzles), a .jsonl/.parquet file or a hub dataset (kk_load)."""
     num_people: str = "3-7"
@@ -135,7 +133,7 @@ class Config:
         lo, hi = people_range(self.num_people)
         B, mini = self.prompts_per_step * self.num_generations, self.mini_batch_size
         rules = {**{n: (getattr(self, n) >= 0, ">= 0") for n in ("epsilon", "epsilon_high", "beta", "weight_decay",
-                    "format_reward", "generation_batch_size", "eval_every", "save_every", "seed")},
+                    "generation_batch_size", "eval_every", "save_every", "seed", "warmup_steps")},
                  **{n: (getattr(self, n) > 0, "> 0") for n in ("learning_rate", "temperature", "max_grad_norm",
                     "micro_batch_size", "num_iterations", "num_train", "max_completion_length", "steps",
                     "eval_size", "eval_batch_size", "prompts_per_step", "num_generations")},
@@ -143,7 +141,6 @@ class Config:
                  "dual_clip": (self.dual_clip > 1, "> 1"), "num_people": (2 <= lo <= hi <= 8, "within 2..8"),
                  "lopti_order": (self.lopti_order in ("low_first", "high_first"), "low_first or high_first"),
                  "optimizer": (self.optimizer in ("adamw", "sgd"), "adamw or sgd"),
-                 "prompt": (self.prompt in KK_SYSTEM_PROMPTS, " or ".join(KK_SYSTEM_PROMPTS)),
                  "mini_batch_size": (mini > 0 and B % mini == 0 and mini % max(self.micro_batch_size, 1) == 0,
                                      f"a divisor of prompts_per_step * num_generations ({B}), x micro_batch_size")}
         for name, (ok, allowed) in rules.items():
@@ -654,19 +651,13 @@ def toy_main(args: argparse.Namespace) -> dict:
 KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
 THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; the reward reads it as part of the text
-KK_SYSTEM_PROMPTS = {
-    "paper": (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
-        "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
-        "then provides the user with the answer. The reasoning process and answer are enclosed within "
-        "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
-        "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
-        "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
-        "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n"),
-    "small": (  # ours, for small models: the tags named one by one, never a template to copy
-        "You are a helpful assistant. The user gives you a logic puzzle about knights, who always tell the truth, "
-        "and knaves, who always lie. Reason about it briefly after <think>, and close your reasoning with </think>. "
-        "Then write <answer>, say for each person whether they are a knight or a knave, and close with </answer>."),
-}
+KK_SYSTEM_PROMPT = (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
+    "then provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
+    "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
+    "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
+    "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n")
 KK_NAMES = tuple((  # the benchmark's 51 names
     "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin Amelia "
     "Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia Logan Avery "
@@ -827,9 +818,9 @@ def kk_load(source: str) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows, features=KK_FEATURES)
 
 
-def kk_prompt(tokenizer, quiz: str, prompt: str = "paper") -> str:
+def kk_prompt(tokenizer, quiz: str) -> str:
     """The chat template over [system prompt, quiz + "\\n"], then THINK_PREFIX: Logic-RL's prompt byte for byte."""
-    messages = [{"role": "system", "content": KK_SYSTEM_PROMPTS[prompt]}, {"role": "user", "content": quiz + "\n"}]
+    messages = [{"role": "system", "content": KK_SYSTEM_PROMPT}, {"role": "user", "content": quiz + "\n"}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + THINK_PREFIX
 
 
@@ -869,25 +860,21 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
     return KK_MAX_REWARD if predicted == truth else -0.5
 
 
-def kk_format_credit(completion: str, solution_text_format: str) -> float:
-    """Credit in [0, 1] toward an answer Logic-RL can read, for the training reward only (ours; the paper's 3B model
-    formats without help): 1/8 for each of </think>, <answer>, </answer> once and 1/8 for all tags in order; 1/2 for
-    the share of people named "NAME is a knight|knave" after <answer>, if no more role words than people."""
-    names, text = list(kk_parse_solution(solution_text_format)), completion.split("Assistant:", 1)[-1]
-    credit = sum(text.count(tag) == 1 for tag in _KK_TAGS[1:]) / 8 + (_kk_answer(completion) is not None) / 8
-    answer = text.split("<answer>", 1)[1].split("</answer>", 1)[0] if "<answer>" in text else ""
-    if _kk_role_words(answer) <= len(names):
-        credit += 0.5 * sum(_kk_named_role(name, answer) is not None for name in names) / len(names)
-    return credit
+def kk_rewards(completions: list[str], solutions: list[str]) -> torch.Tensor:
+    """Logic-RL's rewards (B,) of completions as generated after THINK_PREFIX."""
+    return torch.tensor([kk_reward(THINK_PREFIX + c, s) for c, s in zip(completions, solutions)])
 
 
-def kk_rewards(completions: list[str], solutions: list[str], format_reward: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logic-RL's rewards (B,), which judge every run, and the training rewards (B,): + format_reward * credit."""
-    texts = [THINK_PREFIX + c for c in completions]
-    rewards = torch.tensor([kk_reward(t, s) for t, s in zip(texts, solutions)])  # (B,)
-    credit = torch.tensor([kk_format_credit(t, s) if format_reward else 0.0 for t, s in zip(texts, solutions)])
-    return rewards, rewards + format_reward * credit
+def kk_case_analysis(row: dict) -> str:
+    """The solver's own case analysis of a puzzle as a completion after THINK_PREFIX, e.g. " Emma knight, Liam
+    knight: Emma lies. ... Emma knave, Liam knight: all fit. </think><answer> (1) Emma is a knave ... </answer>".
+    The supervised warm-up's target (Config.warmup_steps)."""
+    statements, names, cases = ast.literal_eval(row["statements"]), row["names"], []
+    for world in itertools.product((True, False), repeat=len(names)):
+        bad = next((i for i, s in enumerate(statements) if _kk_true(s, world) != world[i]), None)
+        verdict = "all fit" if bad is None else f"{names[bad]} {'lies' if world[bad] else 'tells the truth'}"
+        cases.append(", ".join(f"{n} {'knight' if k else 'knave'}" for n, k in zip(names, world)) + f": {verdict}.")
+    return f" {' '.join(cases)} </think><answer> {row['solution_text_format']} </answer>"
 
 
 def constant_accuracy(rows) -> float:
@@ -1086,9 +1073,9 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
-        prompts = [kk_prompt(tokenizer, quiz, cfg.prompt) for quiz in chunk["quiz"]]
+        prompts = [kk_prompt(tokenizer, quiz) for quiz in chunk["quiz"]]
         texts = rollout(model, tokenizer, prompts, cfg, device, greedy=True)["texts"]
-        rewards += kk_rewards(texts, chunk["solution_text_format"])[0].tolist()
+        rewards += kk_rewards(texts, chunk["solution_text_format"]).tolist()
         sizes += chunk["num_people"]
     out = {"eval/accuracy": rewards.count(KK_MAX_REWARD) / len(rewards),
            "eval/constant_accuracy": constant_accuracy(rows)}
@@ -1113,12 +1100,11 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
     """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions ("samples").
     `probe(batch, logprob_fn, measure, before)` runs before the update (diagnose); no optimizer, no update."""
     G, t0 = cfg.num_generations, time.perf_counter()
-    batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q, cfg.prompt) for q in rows["quiz"] for _ in range(G)],
-                    cfg, device)
+    batch = rollout(model, tokenizer, [kk_prompt(tokenizer, q) for q in rows["quiz"] for _ in range(G)], cfg, device)
     t1 = time.perf_counter()
     solutions = [s for s in rows["solution_text_format"] for _ in range(G)]
-    rewards, trained = kk_rewards(batch["texts"], solutions, cfg.format_reward)  # (B,) Logic-RL's, (B,) training
-    batch["advantages"] = group_advantages(trained, G).to(device)  # (B,)
+    rewards = kk_rewards(batch["texts"], solutions)  # (B,)
+    batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
     needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,): the others need no pass at all
     batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C), fixed for the step
     if ref_model is not None:
@@ -1145,16 +1131,41 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
             t4 = time.perf_counter()
             metrics.update(update_counts(before, measure(), batch["advantages"], batch["mask"], batch["old_logprobs"]))
             metrics["time/measure"] = time.perf_counter() - t4 + t3 - t2
-    grouped = trained.view(-1, G)  # (P, G)
+    grouped = rewards.view(-1, G)  # (P, G)
     return {"reward": rewards.mean().item(), "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
             "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
-            "format_credit": ((trained - rewards) / cfg.format_reward).mean().item() if cfg.format_reward else None,
             "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
             "completion_length": batch["mask"].sum(1).float().mean().item(),
             "truncated": batch["truncated"].float().mean().item(), **metrics, "time/rollout": t1 - t0,
             "time/logprobs": t2 - t1, "peak_memory_gb": peak_memory_gb(device),
             "samples": [{"reward": r, "completion": THINK_PREFIX + t}
                         for r, t in zip(rewards[:G].tolist(), batch["texts"])]}
+
+
+def warm_up(cfg: Config, model, tokenizer, rows, device: torch.device) -> None:
+    """The supervised warm-up (ours, for small models: the paper's 3B model needs none, and pure RL on K&K stalls
+    below ~1.5B): cfg.warmup_steps AdamW steps at cfg.learning_rate of cross-entropy on kk_case_analysis + EOS,
+    cfg.prompts_per_step puzzles each, in the RL steps' data order."""
+    optimizer, pad = make_optimizer(model, cfg), tokenizer.pad_token_id
+    model.train()
+    for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
+        chunk = rows[step_rows(len(rows), cfg, step)]
+        prompts = [tokenizer(kk_prompt(tokenizer, q), add_special_tokens=False).input_ids
+                   for q in chunk["quiz"]]
+        targets = [tokenizer(kk_case_analysis(r) + tokenizer.eos_token, add_special_tokens=False).input_ids
+                   for r in (dict(zip(chunk, v)) for v in zip(*chunk.values()))]
+        L, C = max(len(p) + len(t) for p, t in zip(prompts, targets)), max(map(len, targets))
+        ids = torch.tensor([[pad] * (L - len(p) - len(t)) + p + t for p, t in zip(prompts, targets)], device=device)
+        attention = torch.arange(L, device=device) >= torch.tensor([L - len(p) - len(t) for p, t in zip(prompts,
+                                                                     targets)], device=device)[:, None]  # (B, L)
+        mask = torch.arange(C, device=device) >= C - torch.tensor([len(t) for t in targets], device=device)[:, None]
+        with autocast(device):
+            logp = sequence_logprobs(model, ids, attention.long(), C, 1.0)  # (B, C)
+        loss = -(logp * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
@@ -1230,6 +1241,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
                                                       torch.float32).eval().requires_grad_(False)  # frozen
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
+    if cfg.warmup_steps and not ckpt:
+        warm_up(cfg, model, tokenizer, train_rows, device)
     optimizer, start = make_optimizer(model, cfg), state["step"]
     if ckpt:
         optimizer.load_state_dict(state["optimizer"])
@@ -1301,6 +1314,8 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     train_rows = load_task_data(cfg)[0]
     model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
     ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
+    if cfg.warmup_steps:  # the run's own start
+        warm_up(cfg, model, tokenizer, train_rows, device)
     optimizer, result, units = make_optimizer(model, cfg), {"model": cfg.model, "bins": BIN_NAMES}, []
     others = [m for m in ("grpo", "ar", "lopti", "ar_lopti") if m != own]
 
@@ -1447,17 +1462,19 @@ def __getattr__(name: str):
 # ====== The command line: python lopti.py {toy,train,eval,diagnose,plot,fig3} [--preset NAME] [--field value] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop, < 45 minutes on 2 cores: a 20x learning rate, no reference model, and the format credit: a 135M
-    # model never formats an answer by chance, so Logic-RL's reward alone teaches it nothing (README)
+    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, a 20x learning rate, no
+    # reference model, and a 20-step warm-up on the solver's case analysis: pure RL on K&K stalls at this size
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
-                micro_batch_size=8, beta=0.0, learning_rate=2e-5, format_reward=1.0, stop_at_answer=True,
+                micro_batch_size=8, beta=0.0, learning_rate=2e-5, warmup_steps=20, stop_at_answer=True,
                 eval_size=16, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
     # a free Colab T4 (15 GB, fp32: no bf16): Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512 tokens, no
-    # reference model. Estimated, never run on a GPU: README
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="3-5", steps=100, prompts_per_step=4,
+    # reference model, the laptop's warm-up, 2-4 people (a case analysis of 5 people is ~1k tokens). Never run
+    # on a GPU: README
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-4", steps=100, prompts_per_step=4,
                   num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
-                  gradient_checkpointing=True, eval_every=25, save_every=25, output_dir="runs/colab"),
+                  warmup_steps=20, gradient_checkpointing=True, eval_every=25, save_every=25,
+                  output_dir="runs/colab"),
     # one 80 GB GPU: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and length, 150 steps. Under
     # bf16 Figure 3's measurement is two fp32 forwards, estimated at 0.65-1.2x a step (H100-A100): off by default
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,

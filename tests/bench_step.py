@@ -54,7 +54,7 @@ def build_model(kind: str, path: Path) -> Path:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # SmolLM2's ids 0, 1, 2
     puzzles = lopti.kk_generate(2000, (3, 8), seed=12345)  # a seed unlike the benchmark's prompts
-    corpus = conftest._corpus() + list(lopti.KK_SYSTEM_PROMPTS.values()) * 20 + [
+    corpus = conftest._corpus() + [lopti.KK_SYSTEM_PROMPT] * 20 + [
         q + "\n" + s for q, s in zip(puzzles["quiz"], puzzles["solution_text_format"])]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -112,9 +112,8 @@ def bench_child(args) -> dict:
         model.activation_checkpointing_enable({"use_reentrant": False})
     optimizer = lopti.make_optimizer(model, cfg)
     if args.reward == "varied":  # see the module docstring
-        def varied(texts, solutions, format_reward=0.0):
-            r = torch.arange(len(texts), dtype=torch.float) % G
-            return r, r
+        def varied(texts, solutions):
+            return torch.arange(len(texts), dtype=torch.float) % G
 
         lopti.kk_rewards = varied
     if args.split == "median":

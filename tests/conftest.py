@@ -86,11 +86,10 @@ def varied_reward(text: str, solution: str) -> float:
 
 
 def fixed_rewards(monkeypatch, values) -> None:
-    """Make lopti.kk_rewards return `values` (B,) as Logic-RL's and the training rewards, whatever was sampled:
-    advantages chosen by the test."""
+    """Make lopti.kk_rewards return `values` (B,), whatever was sampled: advantages chosen by the test."""
     import torch
 
     import lopti
 
     r = torch.tensor(values, dtype=torch.float)
-    monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions, format_reward=0.0: (r.clone(), r.clone()))
+    monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions: r.clone())

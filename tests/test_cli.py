@@ -23,10 +23,9 @@ TINY_FLAGS = ["--prompts_per_step", "2", "--num_generations", "4", "--max_comple
               "--learning_rate", "1e-3", "--weight_decay", "0"]  # = conftest's tiny_config
 
 
-def varied_rewards(completions, solutions, format_reward=0.0):
+def varied_rewards(completions, solutions):
     """kk_rewards' shape with variance inside groups (a random tiny model always scores -3: no advantage)."""
-    r = torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
-    return r, r
+    return torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
 
 
 def parsed(argv: list[str]) -> dict:
@@ -151,8 +150,8 @@ def test_eval_prints_accuracy_and_the_constant_answers_as_json(cli_run, tmp_path
     a = rows[0]
     b = next(r for r in rows if r["solution"] != a["solution"])
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (a, a, b)))
-    monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions, format_reward=0.0: (torch.tensor(
-        [3.0 if s == b["solution_text_format"] else -3.0 for s in solutions]),) * 2)
+    monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions: torch.tensor(
+        [3.0 if s == b["solution_text_format"] else -3.0 for s in solutions]))
     capsys.readouterr()
     assert lopti.main(["eval", "--model", str(cli_run / "checkpoint-2"), "--eval_data", str(tmp_path / "eval.jsonl"),
                        "--num_train", "8", "--num_people", "3", "--max_completion_length", "2",

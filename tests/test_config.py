@@ -16,8 +16,8 @@ def test_defaults_are_the_papers_kk_run():
     assert (cfg.learning_rate, cfg.optimizer, cfg.weight_decay, cfg.max_grad_norm) == (1e-6, "adamw", 0.01, 1.0)
     assert (cfg.prompts_per_step, cfg.num_generations, cfg.mini_batch_size, cfg.num_iterations) == (64, 8, 256, 1)
     assert (cfg.temperature, cfg.max_completion_length, cfg.num_people, cfg.steps) == (0.7, 4096, "3-7", 350)
-    assert (cfg.model, cfg.prompt, cfg.format_reward, cfg.stop_at_answer) == (
-        "Qwen/Qwen2.5-3B-Instruct", "paper", 0.0, False)  # the paper's model, prompt and reward; generation to EOS
+    assert (cfg.model, cfg.warmup_steps, cfg.stop_at_answer) == (
+        "Qwen/Qwen2.5-3B-Instruct", 0, False)  # the paper's model, no warm-up; generation to EOS
 
 
 @pytest.mark.parametrize("name", sorted(lopti.PRESETS))
@@ -28,10 +28,10 @@ def test_presets_are_valid_configs_whose_batches_divide(name):
     assert B % cfg.mini_batch_size == 0 and cfg.mini_batch_size % cfg.micro_batch_size == 0
 
 
-def test_only_the_laptop_preset_changes_the_reward():
-    """Only 'cpu' (a 135M model that never formats an answer by chance) adds the format credit."""
-    assert Config(**lopti.PRESETS["cpu"]).format_reward > 0
-    assert all(Config(**lopti.PRESETS[p]).format_reward == 0 for p in lopti.PRESETS if p != "cpu")
+def test_only_the_small_model_presets_warm_up():
+    """'cpu' and 'colab' (135M and 0.5B models, where pure RL on K&K stalls) warm up; 'gpu', the paper's 3B, not."""
+    assert Config(**lopti.PRESETS["cpu"]).warmup_steps > 0 and Config(**lopti.PRESETS["colab"]).warmup_steps > 0
+    assert Config(**lopti.PRESETS["gpu"]).warmup_steps == 0
 
 
 @pytest.mark.parametrize("field,value", [
@@ -40,7 +40,7 @@ def test_only_the_laptop_preset_changes_the_reward():
     ("temperature", math.nan), ("max_grad_norm", -1.0), ("steps", 0), ("steps", 2.5), ("save_every", -1),
     ("generation_batch_size", -2), ("num_people", "1-3"), ("num_people", "3-9"), ("num_people", "5-3"),
     ("num_people", "three"), ("lopti", "yes"), ("lopti", 1), ("num_generations", True), ("model", None),
-    ("optimizer", "adam"), ("prompt", "fancy"), ("mini_batch_size", 100), ("mini_batch_size", 0),
+    ("optimizer", "adam"), ("mini_batch_size", 100), ("mini_batch_size", 0), ("warmup_steps", -1),
     ("seed", -3)])
 def test_bad_values_are_refused_with_the_fields_name(field, value):
     """Wrong type, nan/inf, out of range, unknown name: one ValueError naming the field."""

@@ -12,10 +12,9 @@ CPU = torch.device("cpu")
 BATCHED_LOGPROBS = lopti.batched_logprobs
 
 
-def _varied_rewards(completions, solutions, format_reward=0.0):
+def _varied_rewards(completions, solutions):
     """kk_rewards' stand-in: rewards with variance inside groups (a random tiny model always scores -3)."""
-    r = torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
-    return r, r
+    return torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
 
 
 def _step(model_dir, monkeypatch, optimizer=None, **overrides):
@@ -91,7 +90,7 @@ def test_switched_off_it_runs_no_forward(tiny_model_dir, monkeypatch):
 def test_a_step_with_nothing_to_measure_counts_zeros(tiny_model_dir, monkeypatch):
     """Every group scored alike: no advantage, no pass, all counts 0 and every share None (never NaN)."""
     _, calls = _step(tiny_model_dir, monkeypatch)  # (installs the spy)
-    monkeypatch.setattr(lopti, "kk_rewards", lambda c, s, f=0.0: (torch.full((len(c),), -1.0),) * 2)
+    monkeypatch.setattr(lopti, "kk_rewards", lambda c, s: torch.full((len(c),), -1.0))
     cfg = tiny_config(tiny_model_dir, "unused", beta=0.0, mini_batch_size=8)
     model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
     m = lopti.train_step(cfg, model, None, tok, lopti.make_optimizer(model, cfg), lopti.kk_generate(2, 3, seed=0), CPU)

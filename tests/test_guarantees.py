@@ -30,11 +30,9 @@ TINY_FLAGS = ["--prompts_per_step", "2", "--num_generations", "4", "--max_comple
 TIMINGS = ("time/", "peak_memory_gb")  # what differs between two runs of the same steps
 
 
-def varied_rewards(completions, solutions, format_reward=0.0):
-    """kk_rewards' shape, (B,) Logic-RL's and (B,) training rewards, with variance inside groups (a random tiny
-    model always scores -3, which gives no advantage)."""
-    r = torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
-    return r, r
+def varied_rewards(completions, solutions):
+    """kk_rewards' shape (B,), with variance inside groups (a random tiny model always scores -3: no advantage)."""
+    return torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
 
 
 @pytest.fixture
@@ -297,7 +295,7 @@ def test_resume_refuses_a_folder_that_holds_no_run(what, tiny_model_dir, tmp_pat
 @pytest.mark.parametrize("flag,value", [
     ("alpha", "0.1"), ("lopti", "false"), ("eta", "0.3"), ("lopti_order", "high_first"), ("beta", "0"),
     ("epsilon_high", "0.2"), ("temperature", "1.0"), ("num_generations", "2"), ("optimizer", "sgd"),
-    ("prompt", "small"), ("max_completion_length", "8"), ("seed", "1"), ("model", "some/other-model")])
+    ("warmup_steps", "3"), ("max_completion_length", "8"), ("seed", "1"), ("model", "some/other-model")])
 def test_resume_refuses_a_changed_method_setting_before_writing(flag, value, trained_run, capsys, no_loading):
     before = files(trained_run)
     assert run_main(["train", "--resume", "--output_dir", trained_run, f"--{flag}", value, "--steps", "2"]) == 2

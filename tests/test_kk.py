@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import lopti
-from lopti import (KK_FEATURES, KK_MAX_REWARD, KK_SYSTEM_PROMPTS, THINK_PREFIX, Config, constant_accuracy,
-                   kk_format_credit, kk_generate, kk_load, kk_parse_solution, kk_prompt, kk_reward, kk_rewards,
+from lopti import (KK_FEATURES, KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, Config, constant_accuracy,
+                   kk_generate, kk_load, kk_parse_solution, kk_prompt, kk_reward, kk_rewards,
                    kk_solve, load_task_data)
 
 DATA = Path(__file__).parent / "data" / "kk"
@@ -338,11 +338,10 @@ def test_rewards_equal_logic_rl_on_random_completions():
         truths.append(truth)
         completions.append(f" r </think><answer> {truth} </answer>")  # correct (so every total occurs)
         truths.append(truth)
-    rewards, training = kk_rewards(completions, truths)
+    rewards = kk_rewards(completions, truths)
     expected = [logic_rl_score(official_prompt + c, t) for c, t in zip(completions, truths)]
     assert rewards.tolist() == expected
     assert set(expected) == {3.0, -0.5, -1.0, -3.0}
-    assert torch.equal(training, rewards)
 
 
 def test_parse_solution_golden_and_equal_to_logic_rl_regex():
@@ -357,37 +356,6 @@ def test_parse_solution_golden_and_equal_to_logic_rl_regex():
     for _ in range(5000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
         assert kk_parse_solution(text) == logic_rl_parse(text), text
-
-
-@pytest.mark.parametrize("completion, credit", [
-    ("<think> r", 0.0),  # nothing yet
-    ("<think> r </think>", 1 / 8),
-    ("<think> r </think><answer> </answer>", 3 / 8 + 1 / 8),  # every tag, in order: the tag half is full
-    ("<think> r </think><answer> Amelia is a knight </answer>", 0.5 + 0.5 / 3),
-    (wrap("Amelia is a knight, Penelope is a knave, and Evelyn is a knight."), 1.0),
-    (wrap("Amelia is a knave, Penelope is a knight, and Evelyn is a knave."), 1.0),  # wrong roles: format only
-    (wrap("Amelia is a knight, Penelope is a knave, Evelyn is a knight or a knave."), 0.5),  # 4 role words
-    ("<think> r <answer> Amelia is a knight", 1 / 8 + 0.5 / 3),  # no </think>, no </answer>: not in order
-    ("<think> r </think> Amelia is a knight, Penelope is a knave", 1 / 8),  # names outside <answer> earn nothing
-    ("<think> r </think><answer> x </answer><answer> y </answer>", 1 / 8),  # tags twice
-])
-def test_format_credit_golden(completion, credit):
-    assert kk_format_credit(completion, GT) == pytest.approx(credit)
-    # it only grows toward an answer Logic-RL can read: full credit iff the reward is 3 or -0.5
-    assert (kk_format_credit(completion, GT) == 1.0) == (kk_reward(completion, GT) in (3.0, -0.5))
-
-
-def test_kk_rewards_adds_format_credit_only_to_the_training_reward():
-    """(Logic-RL's reward, the training reward): equal with format_reward 0, + format_reward * credit otherwise;
-    both on THINK_PREFIX + completion."""
-    completions = [" r </think><answer> " + GT + " </answer>",  # 3, credit 1
-                   " r </think><answer> Amelia is a knave, Penelope is a knave, Evelyn is a knave </answer>",  # -0.5, 1
-                   " r </think>"]  # -3, credit 1/8
-    rewards, training = kk_rewards(completions, [GT] * 3)
-    assert rewards.tolist() == [3.0, -0.5, -3.0] and torch.equal(training, rewards)
-    rewards2, training2 = kk_rewards(completions, [GT] * 3, format_reward=0.5)
-    assert torch.equal(rewards2, rewards)
-    assert training2.tolist() == pytest.approx([3.5, 0.0, -3.0 + 0.5 / 8])
 
 
 # --- loader ---
@@ -559,7 +527,7 @@ def test_prompt_with_chat_template_equals_official_prompt(template):
     for r in rows:
         assert kk_prompt(tokenizer, r["quiz"]) == r["prompt"][0]["content"]
     official = rows[0]["prompt"][0]["content"]
-    assert official.split("<|im_start|>system\n")[1].split("<|im_end|>")[0] == KK_SYSTEM_PROMPTS["paper"]
+    assert official.split("<|im_start|>system\n")[1].split("<|im_end|>")[0] == KK_SYSTEM_PROMPT
     assert official.endswith("<|im_start|>assistant\n" + THINK_PREFIX)
 
 
@@ -569,17 +537,19 @@ def test_prompt_without_chat_template_raises():
         kk_prompt(tiny_tokenizer(None), "QUIZ TEXT")
 
 
-def copyable_template(text):
-    """The parts of a prompt a small model copies verbatim: empty tag pairs and placeholder text."""
-    return [m for m in (re.search(r"<think>\s*</think>", text), re.search(r"<answer>\s*</answer>", text),
-                        re.search("reasoning process here", text), re.search("answer here", text)) if m]
-
-
-def test_small_prompt_names_each_tag_but_has_no_template_to_copy():
-    small, paper = KK_SYSTEM_PROMPTS["small"], KK_SYSTEM_PROMPTS["paper"]
-    assert all(tag in small for tag in TAGS)
-    assert copyable_template(small) == []
-    assert len(copyable_template(paper)) == 4  # the check finds the paper's template
-    rendered = kk_prompt(tiny_tokenizer(CHATML), "QUIZ TEXT", prompt="small")
-    assert rendered == f"<|im_start|>system\n{small}<|im_end|>\n<|im_start|>user\nQUIZ TEXT\n<|im_end|>\n" \
-                       f"<|im_start|>assistant\n{THINK_PREFIX}"
+def test_case_analysis_golden_and_every_demonstration_scores_3():
+    """The warm-up's target: each assignment in the benchmark's order with the first speaker it contradicts, then
+    the solution; Logic-RL's reward gives every demonstration 3."""
+    statements = (("lying", 1), ("and", ("telling-truth", 0), ("telling-truth", 1)))
+    row = {"names": ["Ann", "Bo"], "statements": repr(statements),
+           "solution_text_format": "(1) Ann is a knight\n(2) Bo is a knave"}
+    # Ann: "Bo is a knave"; Bo: "Ann and Bo are knights". Knight/knight: Ann's claim is false. Knight/knave: both
+    # fit. Knave/knight: Bo's claim is false. Knave/knave: Ann's claim would be true.
+    assert lopti.kk_solve(row["statements"]) == [[True, False]]
+    assert lopti.kk_case_analysis(row) == (
+        " Ann knight, Bo knight: Ann lies. Ann knight, Bo knave: all fit. Ann knave, Bo knight: Bo lies."
+        " Ann knave, Bo knave: Ann tells the truth. </think><answer> (1) Ann is a knight\n(2) Bo is a knave </answer>")
+    rows = lopti.kk_generate(30, (2, 5), seed=11)
+    for i in range(len(rows)):
+        r = {k: rows[k][i] for k in rows.column_names}
+        assert lopti.kk_reward(lopti.THINK_PREFIX + lopti.kk_case_analysis(r), r["solution_text_format"]) == 3.0

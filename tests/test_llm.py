@@ -380,7 +380,7 @@ def test_a_step_where_no_row_has_an_advantage_computes_nothing(tiny_model_dir, t
 
 
 STAGE_KEYS = ("loss", "grad_norm", "token_share", "clip_high", "clip_low", "kl_ref")
-STEP_KEYS = {"step", "learning_rate", "reward", "accuracy", "format_error", "format_credit", "zero_std_groups",
+STEP_KEYS = {"step", "learning_rate", "reward", "accuracy", "format_error", "zero_std_groups",
              "completion_length", "truncated", "peak_memory_gb", "time/rollout", "time/logprobs", "time/measure",
              *(f"update/{k}" for k in lopti.UPDATE_KEYS)}
 
@@ -478,3 +478,47 @@ def test_evaluate_accuracy_per_number_of_people_and_the_constant_answers(tiny_mo
     out = lopti.evaluate(model, tok, rows, Config(model="unused", max_completion_length=3, eval_batch_size=2), CPU)
     assert out == {"eval/accuracy": 0.4, "eval/constant_accuracy": 0.6, "eval/accuracy_3ppl": 0.0,
                    "eval/reward_3ppl": -0.5, "eval/accuracy_4ppl": 1.0, "eval/reward_4ppl": 3.0}
+
+
+# --- the supervised warm-up (Config.warmup_steps): the solver's case analysis as the target
+
+
+def demonstration_logprob(model, tok, cfg, rows) -> float:
+    """Mean log-prob per token of kk_case_analysis + EOS after each puzzle's prompt, at temperature 1."""
+    total, count = 0.0, 0
+    for i in range(len(rows)):
+        row = {k: rows[k][i] for k in rows.column_names}
+        p = tok(lopti.kk_prompt(tok, row["quiz"]), add_special_tokens=False).input_ids
+        t = tok(lopti.kk_case_analysis(row) + tok.eos_token, add_special_tokens=False).input_ids
+        ids = torch.tensor([p + t])
+        with torch.no_grad():
+            lp = lopti.sequence_logprobs(model, ids, torch.ones_like(ids), len(t), 1.0)
+        total, count = total + float(lp.sum()), count + len(t)
+    return total / count
+
+
+def test_warm_up_raises_the_demonstrations_log_prob_and_trains_on_them_only(tiny_model_dir, tmp_path, monkeypatch):
+    """Cross-entropy on the target tokens alone: the demonstrations get likelier; a loss that also read the prompt
+    or the left padding would take other rows' tokens into account (checked by the per-row log-prob above)."""
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=3, learning_rate=3e-3, num_people="2-3")
+    model, tok = load(tiny_model_dir)
+    rows = lopti.kk_generate(4, (2, 3), seed=5)
+    before = demonstration_logprob(model, tok, cfg, rows)
+    calls = []
+    real = lopti.sequence_logprobs
+    monkeypatch.setattr(lopti, "sequence_logprobs", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    lopti.warm_up(cfg, model, tok, rows, torch.device("cpu"))
+    monkeypatch.setattr(lopti, "sequence_logprobs", real)
+    assert len(calls) == 3  # one forward per step: prompts_per_step puzzles each
+    assert demonstration_logprob(model, tok, cfg, rows) > before + 0.5
+
+
+def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, monkeypatch):
+    """A resumed run starts from its checkpoint: no second warm-up."""
+    fixed_rewards(monkeypatch, [1.0, 0, 0, 0, 0, 1, 0, 0])
+    warmed = []
+    monkeypatch.setattr(lopti, "warm_up", lambda *a: warmed.append(True))
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=2, steps=1)
+    lopti.train(cfg)
+    lopti.train(dataclasses.replace(cfg, steps=2), resume=True)
+    assert warmed == [True]
