@@ -1085,16 +1085,6 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
     return out
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA: the reserved peak since the last call. CPU: the process's peak RSS."""
-    if device.type != "cuda":
-        import resource  # ru_maxrss: KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    peak = torch.cuda.max_memory_reserved(device) / 2**30
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
-
-
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device: torch.device,
                probe: Callable | None = None) -> dict:
     """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions ("samples").
@@ -1137,7 +1127,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
             "zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean().item(),
             "completion_length": batch["mask"].sum(1).float().mean().item(),
             "truncated": batch["truncated"].float().mean().item(), **metrics, "time/rollout": t1 - t0,
-            "time/logprobs": t2 - t1, "peak_memory_gb": peak_memory_gb(device),
+            "time/logprobs": t2 - t1,
             "samples": [{"reward": r, "completion": THINK_PREFIX + t}
                         for r, t in zip(rewards[:G].tolist(), batch["texts"])]}
 
@@ -1150,17 +1140,15 @@ def warm_up(cfg: Config, model, tokenizer, rows, device: torch.device) -> None:
     model.train()
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
         chunk = rows[step_rows(len(rows), cfg, step)]
-        prompts = [tokenizer(kk_prompt(tokenizer, q), add_special_tokens=False).input_ids
-                   for q in chunk["quiz"]]
-        targets = [tokenizer(kk_case_analysis(r) + tokenizer.eos_token, add_special_tokens=False).input_ids
-                   for r in (dict(zip(chunk, v)) for v in zip(*chunk.values()))]
-        L, C = max(len(p) + len(t) for p, t in zip(prompts, targets)), max(map(len, targets))
-        ids = torch.tensor([[pad] * (L - len(p) - len(t)) + p + t for p, t in zip(prompts, targets)], device=device)
-        attention = torch.arange(L, device=device) >= torch.tensor([L - len(p) - len(t) for p, t in zip(prompts,
-                                                                     targets)], device=device)[:, None]  # (B, L)
-        mask = torch.arange(C, device=device) >= C - torch.tensor([len(t) for t in targets], device=device)[:, None]
+        pairs = [(tokenizer(kk_prompt(tokenizer, r["quiz"]), add_special_tokens=False).input_ids,
+                  tokenizer(kk_case_analysis(r) + tokenizer.eos_token, add_special_tokens=False).input_ids)
+                 for r in (dict(zip(chunk, v)) for v in zip(*chunk.values()))]  # (prompt, target) token ids
+        L, C = max(len(p + t) for p, t in pairs), max(len(t) for _, t in pairs)
+        ids = torch.tensor([[pad] * (L - len(p + t)) + p + t for p, t in pairs], device=device)  # (B, L)
+        attention = torch.tensor([[0] * (L - len(p + t)) + [1] * len(p + t) for p, t in pairs], device=device)
+        mask = torch.tensor([[0] * (C - len(t)) + [1] * len(t) for _, t in pairs], device=device)  # (B, C) targets
         with autocast(device):
-            logp = sequence_logprobs(model, ids, attention.long(), C, 1.0)  # (B, C)
+            logp = sequence_logprobs(model, ids, attention, C, 1.0)  # (B, C)
         loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

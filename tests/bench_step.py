@@ -5,7 +5,7 @@
     python tests/bench_step.py --variants grpo --betas 0.001,0 --model-dir /tmp/smol135 --json /tmp/bench.json
 
 Not a test (pytest collects test_*.py only). Each (variant, beta) runs in its own child process, so the peak memory
-it reports (lopti.peak_memory_gb: resident on CPU, reserved on CUDA) is that configuration's alone. A child sets up
+it reports (peak_memory_gb: resident on CPU, reserved on CUDA) is that configuration's alone. A child sets up
 as lopti.train does (load_model, load_tokenizer, a reference model when beta > 0, make_optimizer), runs 1 warm-up
 step and --steps measured steps of train_step on 3-person K&K prompts, and prints the mean of lopti's own time/*
 metrics. The weights are random (no hub): `tiny` is conftest.make_tiny_model; `smollm2-135m` has the shape of
@@ -38,6 +38,17 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu",
                     initializer_range=0.041666666666666664)
 PHASES = ("rollout", "logprobs", "update_all", "update_low", "update_high", "measure", "other", "step")
+
+
+
+def peak_memory_gb(device) -> float:
+    """CUDA: the allocator's reserved peak; CPU: the process's peak resident size (ru_maxrss: KiB on Linux)."""
+    import resource
+
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def build_model(kind: str, path: Path) -> Path:
@@ -132,7 +143,7 @@ def bench_child(args) -> dict:
     steps = steps[1:]
     mean = {k: sum(s.get(f"time/{k}", 0.0) for s in steps) / len(steps) for k in PHASES}
     mean.update({k: sum(s[k] for s in steps) / len(steps) for k in ("completion_length", "cpu_wait")})
-    return {**mean, "variant": args.variant, "beta": args.beta, "peak_memory_gb": lopti.peak_memory_gb(device),
+    return {**mean, "variant": args.variant, "beta": args.beta, "peak_memory_gb": peak_memory_gb(device),
             "device": str(device), "threads": torch.get_num_threads(),
             "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
 

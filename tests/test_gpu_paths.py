@@ -118,13 +118,3 @@ def test_update_policy_host_reads_do_not_grow_with_micro_batches(monkeypatch):
     assert reads(16, 1, "ar_lopti") == reads(16, 16, "ar_lopti")
     per_step = reads(8, 8) - reads(16, 16)  # 2 optimiser steps in the pass instead of 1
     assert 0 < per_step <= 3, counts
-
-
-def test_peak_memory_gb_cuda_reports_reserved_peak_and_resets(monkeypatch):
-    """On CUDA: the allocator's reserved peak (not allocated bytes), reset at each call, so a line is one step's."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3 * 2**30)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2**30)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(device))
-    cuda = torch.device("cuda")
-    assert lopti.peak_memory_gb(cuda) == 3.0 and lopti.peak_memory_gb(cuda) == 3.0 and calls == [cuda, cuda]

@@ -381,7 +381,7 @@ def test_a_step_where_no_row_has_an_advantage_computes_nothing(tiny_model_dir, t
 
 STAGE_KEYS = ("loss", "grad_norm", "token_share", "clip_high", "clip_low", "kl_ref")
 STEP_KEYS = {"step", "learning_rate", "reward", "accuracy", "format_error", "zero_std_groups",
-             "completion_length", "truncated", "peak_memory_gb", "time/rollout", "time/logprobs", "time/measure",
+             "completion_length", "truncated", "time/rollout", "time/logprobs", "time/measure",
              *(f"update/{k}" for k in lopti.UPDATE_KEYS)}
 
 
