@@ -99,8 +99,10 @@ class Config:
     # --- task, warm-up and schedule
     warmup_steps: int = 0
     """Supervised steps on the solver's own case analysis before RL (kk_case_analysis; 0: none, the paper's)."""
+    warmup_learning_rate: float = 2e-5
+    """The warm-up's constant learning rate."""
     train_data: str = "generate"
-    """'generate' (fresh puzzles), a .jsonl/.parquet file or a hub dataset (kk_load)."""
+    """'generate' (ours: fresh puzzles; the official run: Logic-RL's 3-7 people files), a file or a hub dataset."""
     num_people: str = "3-7"
     """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
     num_train: int = 4480
@@ -110,7 +112,7 @@ class Config:
     eval_data: str = "generate"
     """'generate' (puzzles from a seed disjoint from training's) or a file / hub dataset."""
     eval_size: int = 20
-    """Generated evaluation puzzles per number of people."""
+    """Generated evaluation puzzles per number of people (the official: 100 per size, Logic-RL's test files)."""
     eval_every: int = 50
     """Evaluate every this many steps (0: only at the end)."""
     eval_batch_size: int = 32
@@ -118,7 +120,7 @@ class Config:
     save_every: int = 50
     """Checkpoint every this many steps (and at the end, and on Ctrl-C or SIGTERM)."""
     measure_update: bool = True
-    """Log Figure 3 of every step's own update (update_counts: one no-grad forward after the update)."""
+    """Log Figure 3 of every step's own update (update_counts: one no-grad forward after it; two fp32 under bf16)."""
     output_dir: str = "runs/lopti"
     """The run's folder: config.json, metrics.jsonl, samples.jsonl, checkpoint-STEP/."""
     seed: int = 0
@@ -135,6 +137,7 @@ class Config:
         rules = {**{n: (getattr(self, n) >= 0, ">= 0") for n in ("epsilon", "epsilon_high", "beta", "weight_decay",
                     "generation_batch_size", "eval_every", "save_every", "seed", "warmup_steps")},
                  **{n: (getattr(self, n) > 0, "> 0") for n in ("learning_rate", "temperature", "max_grad_norm",
+                    "warmup_learning_rate",
                     "micro_batch_size", "num_iterations", "num_train", "max_completion_length", "steps",
                     "eval_size", "eval_batch_size", "prompts_per_step", "num_generations")},
                  "alpha": (0 <= self.alpha <= 1, "in [0, 1]"), "eta": (0 < self.eta <= 1, "in (0, 1]"),
@@ -218,7 +221,8 @@ def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, al
 def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest; two (B, T) masks
     that partition `mask`, made once per RL step for both stages.
-    Example, eta = 0.5: pi_old [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]] -> low [[F, T, F, F]], high [[T, F, T, F]]"""
+    Example, eta = 0.5: exp(old_logprobs) [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]] -> low [[F, T, F, F]],
+    high [[T, F, T, F]]"""
     low = mask.bool() & (old_logprobs.detach().float().exp() < eta)  # (B, T)
     return low, mask.bool() & ~low
 
@@ -316,7 +320,7 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
                     for k, v in stats.items():  # token-weighted sums, tensors (no GPU sync)
                         sums[k] = sums[k] + v * (stage[micro] & mask[micro] if k == "kl_ref" else mask[micro]).sum()
                 norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-                if math.isfinite(norm):  # a NaN/inf step would corrupt the weights for good: skipped
+                if math.isfinite(norm):  # ours: a NaN/inf step would corrupt the weights for good (official: steps)
                     optimizer.step()
                     norms.append(norm)
                     losses.append(loss_sum)  # (a tensor: read once, after the pass)
@@ -354,8 +358,9 @@ def method_config(cfg: Config, method: str) -> Config:
 
 
 def method_name(cfg: dict) -> str:
-    """grpo, ar, lopti or ar_lopti, from a run's config.json."""
-    return {(0, 0): "grpo", (1, 0): "ar", (0, 1): "lopti", (1, 1): "ar_lopti"}[(cfg["alpha"] > 0, cfg["lopti"])]
+    """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation), from a run's config.json."""
+    name = {(0, 0): "grpo", (1, 0): "ar", (0, 1): "lopti", (1, 1): "ar_lopti"}[(cfg["alpha"] > 0, cfg["lopti"])]
+    return name + ("_high_first" if cfg["lopti"] and cfg["lopti_order"] == "high_first" else "")
 
 
 def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -366,9 +371,10 @@ def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def update_counts(before: torch.Tensor, after: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   old_logprobs: torch.Tensor | None = None) -> dict[str, list[int]]:
-    """Figure 3 as the official code records it (verl/trainer/ppo/ray_trainer.py, plot_fig_type "prob_stat"): per
-    bin, the A > 0 tokens (A before AR) and how many rose or fell from `before` to `after` (one pass's log-probs, so
-    an unmoved token compares equal), and the A < 0 tokens and how many fell or rose; the rest are ties."""
+    """Figure 3 per bin: the A > 0 tokens (A before AR) and how many rose or fell from `before` to `after` (one
+    pass's log-probs, so that an unmoved token compares equal), and the A < 0 tokens and how many fell or rose; the
+    rest are ties. Counts pool by summing. (The official code saves the probabilities before and after a step,
+    verl/trainer/ppo/ray_trainer.py's "prob_stat", in bf16: its ratios are counted from those.)"""
     masks = bin_masks(before if old_logprobs is None else old_logprobs, mask)  # (4, B, T)
     adv, move, out = _per_token(advantages, before), (after - before).sign(), {}  # (B, T), (B, T)
     for sign, name, good, bad in ((1, "pos", "rose", "fell"), (-1, "neg", "fell", "rose")):
@@ -403,6 +409,7 @@ def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Op
     for m in methods:
         update_policy(method_config(cfg, m), logprob_fn, optimizer, batch)
         out[m] = update_counts(before, measure(), batch["advantages"], batch["mask"], batch["old_logprobs"])
+        model.train()  # (measure() left it in eval mode)
         model.load_state_dict(weights)
         optimizer.load_state_dict(copy.deepcopy(state))  # (it keeps the tensors it is given)
     return out
@@ -410,24 +417,30 @@ def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Op
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
     """Per method and bin, from paired_counts of units (steps, or seeds' sums): its share of A > 0 tokens that rose
-    minus the reference's, a 95 % bootstrap interval over units, and 'resolved' where it excludes 0."""
+    minus the reference's (delta), a 95 % bootstrap interval over units (ci95), and a two-sided sign-flip test of
+    delta = 0 (p: every sign pattern of the units' differences up to 12 units, else random ones). 'resolved' is
+    p < 0.05, which 5 units can never reach (p >= 2/32): few units are "not resolved", whatever the interval."""
     n = torch.tensor([u[reference]["update/pos_tokens"] for u in units], dtype=torch.float64)  # (U, 4)
-    pick = torch.randint(len(units), (resamples, len(units)), generator=torch.Generator().manual_seed(0))  # (R, U)
+    g, U = torch.Generator().manual_seed(0), len(units)
+    pick = torch.randint(U, (resamples, U), generator=g)  # (R, U)
+    signs = torch.tensor(list(itertools.product((1.0, -1.0), repeat=U)), dtype=torch.float64) if U <= 12 else \
+        torch.randint(0, 2, (resamples, U), generator=g).double() * 2 - 1  # (S, U)
     out = {}
     for m in [m for m in units[0] if m != reference]:
         d = torch.tensor([[a - b for a, b in zip(u[m]["update/pos_rose"], u[reference]["update/pos_rose"])]
                           for u in units], dtype=torch.float64)  # (U, 4)
         lo, hi = ((d[pick].sum(1) / n[pick].sum(1)).nanquantile(q, 0).tolist() for q in (0.025, 0.975))
+        p = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().mean(0).tolist()  # (4,)
         delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         out[m] = {"delta": delta, "ci95": [[a, b] if x is not None else None for a, b, x in zip(lo, hi, delta)],
-                  "resolved": [x is not None and (a > 0 or b < 0) for a, b, x in zip(lo, hi, delta)]}
+                  "p": p, "resolved": [x is not None and q < 0.05 for x, q in zip(delta, p)]}
     return out
 
 
 def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> dict:
-    """Figure 1 (a) and (d) on one batch: per bin, the share of response tokens, and the norm of GRPO's gradient at
-    ratio 1 (pi_old from this forward) with only that bin's advantages kept; at ratio 1 the loss is linear in A, so
-    the bins' gradients add up to the all-token one ("all")."""
+    """Figure 1 (a) and (d) on one batch: per bin, the share of the tokens of rows with A != 0, and the norm of
+    GRPO's gradient at ratio 1 (pi_old from this forward) with only that bin's advantages kept; at ratio 1 the loss
+    is linear in A, so the bins' gradients add up to the all-token one ("all")."""
     params, mask = [p for p in model.parameters() if p.requires_grad], batch["mask"].bool()
     masks, n = bin_masks(batch["old_logprobs"], mask), mask.sum()  # (4, B, T)
     grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
@@ -441,8 +454,9 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
             for g, d in zip(grads[b], torch.autograd.grad(loss, params, retain_graph=b < 3, materialize_grads=True)):
                 g += d
     norm = lambda gs: math.sqrt(sum(float(g.double().square().sum()) for g in gs))  # noqa: E731
-    share = lambda m: [float((k & m).sum() / m.sum()) if m.any() else None for k in masks]  # noqa: E731
-    return {"token_share": share(mask), "grad_norm": {"bins": [norm(g) for g in grads],
+    active = mask & rows_with_gradient(batch["advantages"], 0.0)[:, None]  # (the others may have no pi_old)
+    share = [float((k & active).sum() / active.sum()) if active.any() else None for k in masks]
+    return {"token_share": share, "grad_norm": {"bins": [norm(g) for g in grads],
                                                       "all": norm([sum(g) for g in zip(*grads)])}}
 
 
@@ -492,8 +506,8 @@ def plot_bars(ax, table: dict[str, list], title: str, intervals: dict[str, list]
 @dataclass(frozen=True)
 class ToySettings:
     seed: int = 0  # run i of `seeds` has its own random task and samples: seed + i
-    seeds: int = 5  # trajectories per method
-    steps: int = 15  # RL steps per trajectory
+    seeds: int = 8  # trajectories per method (a sign-flip test over 8 can reach p < 0.05; over 5 it cannot)
+    steps: int = 10  # RL steps per trajectory
     optimizer: str = "adamw"  # or "sgd"
     learning_rate: float = 1e-2
     alpha: float = 0.3
@@ -574,15 +588,16 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
     """A trajectory of `method` on seed `seed`'s task: per step the reward, the update's counts, and the `paired`
     methods' paired_counts (with the own update's under `method`)."""
     net, gen, B = ToyPolicy(s, seed), torch.Generator().manual_seed(seed), s.prompts * s.group
-    cfg = method_config(Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
-                               beta=0.0, temperature=1.0, num_generations=s.group, prompts_per_step=s.prompts,
-                               mini_batch_size=B // 2, micro_batch_size=B // 2), method)  # 2 steps a pass
+    base = Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer, weight_decay=0.0,
+                  beta=0.0, temperature=1.0, num_generations=s.group, prompts_per_step=s.prompts,
+                  mini_batch_size=B // 2, micro_batch_size=B // 2)  # 2 optimiser steps a pass; no decay (the paper's
+    cfg = method_config(base, method)  # analysis has none, and Lopti's extra steps would decay twice)
     opt, logprob_fn = make_optimizer(net, cfg), functools.partial(toy_logprobs, net)
     out = {"reward": [], "counts": [], "paired": []}
     for _ in range(s.steps):
         batch = toy_rollout(net, gen)
         measure = torch.no_grad()(functools.partial(toy_logprobs, net, batch))
-        probes = paired_counts(cfg, net, opt, logprob_fn, batch, measure, batch["old_logprobs"], paired)
+        probes = paired_counts(base, net, opt, logprob_fn, batch, measure, batch["old_logprobs"], paired)
         update_policy(cfg, logprob_fn, opt, batch)
         out["reward"].append(float(batch["rewards"].mean()))
         out["counts"].append(update_counts(batch["old_logprobs"], measure(), batch["advantages"], batch["mask"]))
@@ -627,7 +642,7 @@ def toy_main(args: argparse.Namespace) -> dict:
         lo, hi = d["ci95"][3]
         verdict = ("raises" if lo > 0 else "lowers") if d["resolved"][3] else "does not resolve"
         r["checks"].append(f"[paired] {m} {verdict} the top bin's share vs GRPO: {d['delta'][3]:+.3f} [{lo:+.3f}, "
-                           f"{hi:+.3f}]; every bin {fmt_list(d['delta'], '+.3f')}")
+                           f"{hi:+.3f}], p {d['p'][3]:.3f}; every bin {fmt_list(d['delta'], '+.3f')}")
     print("\n".join(r["checks"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(r, indent=1) + "\n")
@@ -1132,19 +1147,20 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
                         for r, t in zip(rewards[:G].tolist(), batch["texts"])]}
 
 
-def warm_up(cfg: Config, model, tokenizer, rows, device: torch.device) -> None:
+def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
     """The supervised warm-up (ours, for small models: the paper's 3B model needs none, and pure RL on K&K stalls
-    below ~1.5B): cfg.warmup_steps AdamW steps at cfg.learning_rate of cross-entropy on kk_case_analysis + EOS,
-    cfg.prompts_per_step puzzles each, in the RL steps' data order."""
-    optimizer, pad = make_optimizer(model, cfg), tokenizer.pad_token_id
+    below ~1.5B): cfg.warmup_steps optimiser steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step
+    puzzles each, generated from a seed of their own: not the RL steps' or the evaluation's puzzles."""
+    lo, hi = people_range(cfg.num_people)
+    rows = kk_generate(cfg.warmup_steps * cfg.prompts_per_step, (lo, hi), seed=cfg.seed + 2_000_003)
+    optimizer = make_optimizer(model, dataclasses.replace(cfg, learning_rate=cfg.warmup_learning_rate))
     model.train()
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
-        chunk = rows[step_rows(len(rows), cfg, step)]
         pairs = [(tokenizer(kk_prompt(tokenizer, r["quiz"]), add_special_tokens=False).input_ids,
                   tokenizer(kk_case_analysis(r) + tokenizer.eos_token, add_special_tokens=False).input_ids)
-                 for r in (dict(zip(chunk, v)) for v in zip(*chunk.values()))]  # (prompt, target) token ids
+                 for r in rows.select(range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step))]
         L, C = max(len(p + t) for p, t in pairs), max(len(t) for _, t in pairs)
-        ids = torch.tensor([[pad] * (L - len(p + t)) + p + t for p, t in pairs], device=device)  # (B, L)
+        ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p + t)) + p + t for p, t in pairs], device=device)
         attention = torch.tensor([[0] * (L - len(p + t)) + [1] * len(p + t) for p, t in pairs], device=device)
         mask = torch.tensor([[0] * (C - len(t)) + [1] * len(t) for _, t in pairs], device=device)  # (B, C) targets
         with autocast(device):
@@ -1230,7 +1246,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     if cfg.warmup_steps and not ckpt:
-        warm_up(cfg, model, tokenizer, train_rows, device)
+        warm_up(cfg, model, tokenizer, device)
     optimizer, start = make_optimizer(model, cfg), state["step"]
     if ckpt:
         optimizer.load_state_dict(state["optimizer"])
@@ -1302,8 +1318,8 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     train_rows = load_task_data(cfg)[0]
     model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
     ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
-    if cfg.warmup_steps:  # the run's own start
-        warm_up(cfg, model, tokenizer, train_rows, device)
+    if cfg.warmup_steps and not (Path(cfg.model) / "trainer_state.pt").exists():  # as a run starts (not a checkpoint)
+        warm_up(cfg, model, tokenizer, device)
     optimizer, result, units = make_optimizer(model, cfg), {"model": cfg.model, "bins": BIN_NAMES}, []
     others = [m for m in ("grpo", "ar", "lopti", "ar_lopti") if m != own]
 
@@ -1426,8 +1442,8 @@ def _lopti_grpo_trainer_class():
             if self.lopti and train:  # this micro-step's replay of the generation batch; its first half: stage 1
                 second = self._step // self.args.steps_per_generation % self.num_iterations >= self.num_iterations // 2
                 stage = low if second == (self.lopti_order == "high_first") else mask & ~low
-            # TRL's "dapo" denominator per process (DDP averages) and optimiser step: the mini-batch's tokens, in both
-            # stages, as update_policy's
+            # TRL's "dapo" denominator per process (DDP averages) and optimiser step: the generation batch's tokens
+            # spread over its optimiser steps, in both stages (update_policy's mini-batch count, on average)
             denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if train:
                 denom = denom * self.current_gradient_accumulation_steps / self.args.steps_per_generation

@@ -498,16 +498,18 @@ def demonstration_logprob(model, tok, cfg, rows) -> float:
 
 
 def test_warm_up_raises_the_demonstrations_log_prob_and_trains_on_them_only(tiny_model_dir, tmp_path, monkeypatch):
-    """Cross-entropy on the target tokens alone: the demonstrations get likelier; a loss that also read the prompt
-    or the left padding would take other rows' tokens into account (checked by the per-row log-prob above)."""
-    cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=3, learning_rate=3e-3, num_people="2-3")
+    """Cross-entropy on the target tokens of its own puzzles (not RL's or the evaluation's): their demonstrations
+    get likelier, one forward per step."""
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=3, warmup_learning_rate=3e-3, num_people="2-3")
     model, tok = load(tiny_model_dir)
-    rows = lopti.kk_generate(4, (2, 3), seed=5)
+    rows = lopti.kk_generate(6, (2, 3), seed=cfg.seed + 2_000_003)  # warm_up's own puzzles
+    train, evals = lopti.load_task_data(cfg)
+    assert not set(rows["quiz"]) & (set(train["quiz"]) | set(evals["quiz"]))  # neither RL's nor evaluation's
     before = demonstration_logprob(model, tok, cfg, rows)
     calls = []
     real = lopti.sequence_logprobs
     monkeypatch.setattr(lopti, "sequence_logprobs", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    lopti.warm_up(cfg, model, tok, rows, torch.device("cpu"))
+    lopti.warm_up(cfg, model, tok, torch.device("cpu"))
     monkeypatch.setattr(lopti, "sequence_logprobs", real)
     assert len(calls) == 3  # one forward per step: prompts_per_step puzzles each
     assert demonstration_logprob(model, tok, cfg, rows) > before + 0.5

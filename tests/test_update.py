@@ -364,7 +364,8 @@ def _unit(n, rose_ref, rose_m):
 def test_paired_deltas_golden():
     """delta = pooled (rose_m - rose_ref) / pooled A > 0 tokens. With 3 units, each unit drawn thrice has chance
     1/27 > 2.5 %, so the percentile interval is exactly [min, max] of the units' own ratios (the pooled ratio, a
-    mediant, lies inside); 'resolved' iff it excludes 0. Bins: units agree (+), disagree, empty, all zero."""
+    mediant, lies inside). The sign-flip test enumerates the 8 sign patterns of the units' differences: 3 units that
+    agree give p = 2/8, never 'resolved'. Bins: units agree (+), disagree, empty, all zero."""
     units = [_unit([10, 10, 0, 5], [5, 5, 0, 1], [6, 7, 0, 1]),
              _unit([20, 10, 0, 5], [10, 5, 0, 1], [14, 4, 0, 1]),
              _unit([10, 10, 0, 5], [5, 5, 0, 1], [7, 5, 0, 1])]
@@ -374,9 +375,21 @@ def test_paired_deltas_golden():
     assert d["delta"] == [pytest.approx(7 / 40), pytest.approx(1 / 30), None, 0.0]
     assert d["ci95"][0] == pytest.approx([0.1, 0.2]) and d["ci95"][1] == pytest.approx([-0.1, 0.2])
     assert d["ci95"][2] is None and d["ci95"][3] == [0.0, 0.0]
-    assert d["resolved"] == [True, False, False, False]
+    # bin 0: differences (1, 4, 2), sum 7: only all-plus and all-minus reach |7|; bin 1: (2, -1, 0): every pattern
+    # reaches |1|
+    assert d["p"] == pytest.approx([2 / 8, 1.0, 1.0, 1.0])
+    assert d["resolved"] == [False, False, False, False]
     for (lo, hi), x in zip(d["ci95"][:2], d["delta"][:2]):
         assert lo <= x <= hi
+
+
+def test_paired_deltas_resolves_six_agreeing_units_and_not_five():
+    """A sign test over n agreeing units has p = 2/2^n: 2/32 with 5 units (not resolved), 2/64 with 6."""
+    unit = _unit([10, 0, 0, 0], [5, 0, 0, 0], [7, 0, 0, 0])
+    assert paired_deltas([unit] * 5)["lopti"]["p"][0] == pytest.approx(2 / 32)
+    assert not paired_deltas([unit] * 5)["lopti"]["resolved"][0]
+    assert paired_deltas([unit] * 6)["lopti"]["p"][0] == pytest.approx(2 / 64)
+    assert paired_deltas([unit] * 6)["lopti"]["resolved"][0]
 
 
 # --- measure_bins (Figure 1)
@@ -395,7 +408,8 @@ def test_the_four_bins_gradients_add_up_to_the_all_token_gradient():
     assert r["grad_norm"]["bins"] == pytest.approx([_grad(weight, batch, adv * b, batch["mask"], n).norm().item()
                                                     for b in bins], rel=1e-5)
     assert torch.equal(model.weight.detach(), weight)  # measuring moves nothing
-    assert r["token_share"] == pytest.approx([float(b.sum() / batch["mask"].sum()) for b in bins])
+    active = batch["mask"] & (batch["advantages"] != 0)[:, None]  # shares over rows with an advantage
+    assert r["token_share"] == pytest.approx([float((b & active).sum() / active.sum()) for b in bins])
 
 
 def test_one_token_gradient_norm_by_hand():
@@ -428,11 +442,11 @@ def test_measure_bins_takes_pi_old_from_its_own_forward():
 
 
 def test_a_batch_without_advantages_has_nothing_to_measure():
-    """Every group scored alike: zero gradients (no NaN), the token shares still reported, nothing moves."""
+    """Every group scored alike: zero gradients (no NaN), no token shares (no row has pi_old), nothing moves."""
     weight, batch = _problem()
     model = _Linear(weight)
     r = measure_bins(dataclasses.replace(BASE, micro_batch_size=3), model, model.logprobs,
                      {**batch, "advantages": torch.zeros(B)})
-    assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and sum(r["token_share"]) == pytest.approx(1.0)
+    assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"] == [None] * 4
     assert torch.equal(model.weight.detach(), weight)
     json.dumps(r, allow_nan=False)
