@@ -231,7 +231,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 epsilon: float = 0.2, epsilon_high: float = 0.24, dual_clip: float = 10.0,
                 ref_logprobs: torch.Tensor | None = None, beta: float = 0.0, kl_mask: torch.Tensor | None = None,
                 num_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official: core_algos.py):
+    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official: core_algos.py); and the
+    counts of clipped tokens, the KL's sum and the token counts behind them:
 
         ratio = exp(logp - old_logp)
         pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
@@ -258,11 +259,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         d = torch.where(kl_mask, ref_logprobs.float() - logprobs.float(), 0.0).clamp(-5, 5)  # (B, T)
         kl = torch.where(kl_mask, (d.exp() - d - 1).clamp(-10, 10), 0.0)  # (B, T)
         loss = loss + beta * kl.sum() / denom
-    with torch.no_grad():  # 0-dim tensors: no GPU sync
-        n = mask.sum().clamp(min=1)
-        stats = {"clip_high": ((ratio > 1 + epsilon_high) & (adv > 0) & mask).sum() / n,
-                 "clip_low": ((ratio < 1 - epsilon) & (adv < 0) & mask).sum() / n,
-                 "kl_ref": kl.sum() / kl_mask.sum().clamp(min=1)}
+    with torch.no_grad():  # sums (0-dim tensors: no GPU sync), to add up over micro-batches
+        stats = {"clip_high": ((ratio > 1 + epsilon_high) & (adv > 0) & mask).sum(),
+                 "clip_low": ((ratio < 1 - epsilon) & (adv < 0) & mask).sum(), "kl_ref": kl.sum(),
+                 "tokens": mask.sum(), "kl_tokens": kl_mask.sum()}
     return loss, stats
 
 
@@ -300,7 +300,7 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
     out = {}
     for name, stage in stages:
         t0, in_pass = time.perf_counter(), (active & stage).any(1).cpu()  # (B,): the rows computed in this pass
-        sums, losses, norms = dict.fromkeys(("clip_high", "clip_low", "kl_ref"), 0.0), [], []
+        sums, losses, norms = collections.Counter(), [], []
         for _ in range(cfg.num_iterations):
             for start in range(0, B, cfg.mini_batch_size):
                 rows = torch.arange(start, min(start + cfg.mini_batch_size, B))
@@ -317,18 +317,17 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
                         ref_logprobs=sub.get("ref_logprobs"), kl_mask=stage[micro], num_tokens=n)
                     loss.backward()
                     loss_sum += loss.detach()
-                    for k, v in stats.items():  # token-weighted sums, tensors (no GPU sync)
-                        sums[k] = sums[k] + v * (stage[micro] & mask[micro] if k == "kl_ref" else mask[micro]).sum()
+                    sums.update(stats)
                 norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
                 if math.isfinite(norm):  # ours: a NaN/inf step would corrupt the weights for good (official: steps)
                     optimizer.step()
                     norms.append(norm)
                     losses.append(loss_sum)  # (a tensor: read once, after the pass)
-        tokens = float((mask & in_pass[:, None].to(mask.device)).sum()), float((stage & active).sum())  # per epoch
-        out.update({f"{name}/{k}": float(v) / max(tokens[k == "kl_ref"] * cfg.num_iterations, 1.0)
-                    for k, v in sums.items()})  # (clips: a share of the pass's rows' tokens)
-        out.update({f"{name}/loss": float(sum(losses)) / max(len(losses), 1), f"{name}/grad_norm": sum(norms) /
-                    max(len(norms), 1), f"{name}/token_share": tokens[1] / max(float(active.sum()), 1.0),
+        per = lambda a, b: float(a) / max(float(b), 1.0)  # noqa: E731
+        out.update({f"{name}/clip_high": per(sums["clip_high"], sums["tokens"]), f"{name}/loss": per(sum(losses),
+                    len(losses)), f"{name}/clip_low": per(sums["clip_low"], sums["tokens"]), f"{name}/grad_norm":
+                    per(sum(norms), len(norms)), f"{name}/kl_ref": per(sums["kl_ref"], sums["kl_tokens"]),
+                    f"{name}/token_share": per((stage & active).sum(), active.sum()),
                     f"time/update_{name}": time.perf_counter() - t0})
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return out
@@ -609,15 +608,15 @@ def run_toy(s: ToySettings) -> dict:
     """Every part of the toy; a pure function of `s` (with torch's threads fixed)."""
     runs = {m: [toy_trajectory(s, m, s.seed + i, TOY_PAIRED if m == "grpo" else ()) for i in range(s.seeds)]
             for m in TOY_OWN_RUNS}
-    net = ToyPolicy(s, s.seed)
-    batch = toy_rollout(net, torch.Generator().manual_seed(s.seed))
     units = [{m: pool_counts([p[m] for p in r["paired"]]) for m in r["paired"][0]} for r in runs["grpo"]]  # a seed
     own = {m: figure3_shares(pool_counts([c for r in rs for c in r["counts"]])) for m, rs in runs.items()}
-    return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": measure_bins(Config(micro_batch_size=len(batch[
-            "mask"])), net, functools.partial(toy_logprobs, net), batch), "reward": {m: [sum(r["reward"][t] for r in rs)
-            / len(rs) for t in range(s.steps)] for m, rs in runs.items()},
-            "figure3": {**{k: {m: v[k] for m, v in own.items()} for k in ("rose", "rose_of_moved", "ties")},
-                        "paired": paired_deltas(units)}}
+    net = ToyPolicy(s, s.seed)
+    batch = toy_rollout(net, torch.Generator().manual_seed(s.seed))
+    figure1 = measure_bins(Config(micro_batch_size=len(batch["mask"])), net, lambda b: toy_logprobs(net, b), batch)
+    reward = {m: [sum(r["reward"][t] for r in rs) / len(rs) for t in range(s.steps)] for m, rs in runs.items()}
+    figure3 = {k: {m: v[k] for m, v in own.items()} for k in ("rose", "rose_of_moved", "ties")}
+    return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "reward": reward,
+            "figure3": {**figure3, "paired": paired_deltas(units)}}
 
 
 def fmt_list(xs: list, spec: str = ".3f") -> str:
@@ -839,40 +838,22 @@ def kk_prompt(tokenizer, quiz: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + THINK_PREFIX
 
 
-_KK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-
-
-def _kk_answer(completion: str) -> str | None:
-    """The text inside <answer></answer>, or None unless each tag occurs once and in order (Logic-RL's check, on
-    the text after the first "Assistant:")."""
-    text = completion.split("Assistant:", 1)[-1]
-    at = [text.find(tag) for tag in _KK_TAGS]
-    if any(text.count(tag) != 1 for tag in _KK_TAGS) or at != sorted(at):
-        return None
-    return text[at[2] + len("<answer>"):at[3]]
-
-
-def _kk_role_words(answer: str) -> int:
-    return answer.lower().count("knight") + answer.lower().count("knave")
-
-
-def _kk_named_role(name: str, answer: str) -> str | None:
-    """The role `answer` gives `name` (Logic-RL's pattern, first match), or None."""
-    m = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
-    return m and m.group(1).lower()
-
-
 def kk_reward(completion: str, solution_text_format: str) -> float:
-    """Logic-RL's reward (the completion with THINK_PREFIX): format +1 if _kk_answer reads, else -1 and -2 for the
-    answer. Answer: -2 unless the knight/knave words number the people and each name matches "NAME is a
-    knight|knave"; else +2 if all are right, -1.5 if not. Totals: 3 correct, -0.5 wrong, -1 unreadable, -3."""
-    truth, answer = kk_parse_solution(solution_text_format), _kk_answer(completion)
-    if answer is None:
+    """Logic-RL's reward of a completion (with THINK_PREFIX), on its text after the first "Assistant:". Format: +1 if
+    each tag occurs once and in order, else -1 and -2 for the answer. Answer: -2 unless the knight/knave words number
+    the people and each name matches "NAME is a knight|knave" (first match); else +2 if all are right, -1.5 if not.
+    Totals: 3 correct, -0.5 wrong, -1 unreadable, -3 format error."""
+    text, truth = completion.split("Assistant:", 1)[-1], kk_parse_solution(solution_text_format)
+    tags = ("<think>", "</think>", "<answer>", "</answer>")
+    at = [text.find(tag) for tag in tags]
+    if any(text.count(tag) != 1 for tag in tags) or at != sorted(at):
         return KK_FORMAT_ERROR
-    predicted = {name: _kk_named_role(name, answer) for name in truth}
-    if _kk_role_words(answer) != len(truth) or None in predicted.values():
+    answer = text[at[2] + len("<answer>"):at[3]]
+    found = {name: re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+             for name in truth}
+    if answer.lower().count("knight") + answer.lower().count("knave") != len(truth) or None in found.values():
         return -1.0
-    return KK_MAX_REWARD if predicted == truth else -0.5
+    return KK_MAX_REWARD if {k: m.group(1).lower() for k, m in found.items()} == truth else -0.5
 
 
 def kk_rewards(completions: list[str], solutions: list[str]) -> torch.Tensor:
@@ -1320,7 +1301,8 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
     if cfg.warmup_steps and not (Path(cfg.model) / "trainer_state.pt").exists():  # as a run starts (not a checkpoint)
         warm_up(cfg, model, tokenizer, device)
-    optimizer, result, units = make_optimizer(model, cfg), {"model": cfg.model, "bins": BIN_NAMES}, []
+    optimizer, units = make_optimizer(model, cfg), []
+    result = {"model": cfg.model, "bins": BIN_NAMES, "paper": PAPER_FIGURES}
     others = [m for m in ("grpo", "ar", "lopti", "ar_lopti") if m != own]
 
     def probe(batch: dict, logprob_fn: Callable, measure: Callable, before: torch.Tensor) -> dict:
@@ -1335,7 +1317,6 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
         t0, rows = time.perf_counter(), train_rows[step_rows(len(train_rows), cfg, step)]
         metrics = train_step(cfg, model, ref_model, tokenizer, optimizer if steps else None, rows, device, probe)
         print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
-        result["paper"] = {k: PAPER_FIGURES[k] for k in ("token_share", "grad_norm", "pos_rose")}
         if steps:  # the JSON is rewritten after every step: a stopped run keeps its steps
             units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
             pooled = {m: pool_counts([u[m] for u in units]) for m in ("grpo", "ar", "lopti", "ar_lopti")}

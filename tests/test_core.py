@@ -161,8 +161,7 @@ def test_policy_loss_golden():
     # A = +1: r = 1 -> -1; r = 1.5 -> max(-1.5, -1.24) = -1.24; r = 0.5 -> max(-0.5, -0.8) = -0.5; pad skipped
     # A = -1: r = 1 -> 1; r = 0.5 -> max(0.5, 0.8) = 0.8; r = 20 -> 20, dual clip -> 10; r = 1.1 -> 1.1
     assert loss.item() == pytest.approx((-1 - 1.24 - 0.5 + 1 + 0.8 + 10 + 1.1) / 7, abs=1e-6)
-    assert stats["clip_high"] == pytest.approx(1 / 7)
-    assert stats["clip_low"] == pytest.approx(1 / 7)
+    assert (stats["clip_high"], stats["clip_low"], stats["tokens"]) == (1, 1, 7)  # counts: they add up
     assert stats["kl_ref"] == 0.0  # no reference model
     # shared denominator: the same sum over 14 tokens
     loss14, _ = policy_loss(logp, old, adv, mask, num_tokens=14)
@@ -180,7 +179,7 @@ def test_policy_loss_kl_golden():
     loss, stats = policy_loss(logp, old, adv, mask, ref_logprobs=ref, beta=0.1)
     kl_sum = (1 - math.log(2.0)) + 10.0
     assert loss.item() == pytest.approx(base.item() + 0.1 * kl_sum / 7, abs=1e-6)
-    assert stats["kl_ref"] == pytest.approx(kl_sum / 7, abs=1e-6)
+    assert stats["kl_ref"] == pytest.approx(kl_sum, abs=1e-5) and stats["kl_tokens"] == 7
     # kl_mask restricts the penalty to its tokens, the denominator stays
     only = torch.zeros_like(mask)
     only[0, 0] = True
