@@ -127,11 +127,6 @@ class Config:
     """Seeds data order, sampling and generated puzzles."""
 
     def __post_init__(self):  # every value is checked here, before anything loads; main prints the error's one line
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if type(v) not in {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}[f.type] or (
-                    f.type == "float" and not math.isfinite(v)):
-                raise ValueError(f"{f.name} must be a finite {f.type}, got {v!r}")
         lo, hi = people_range(self.num_people)
         B, mini = self.prompts_per_step * self.num_generations, self.mini_batch_size
         rules = {**{n: (getattr(self, n) >= 0, ">= 0") for n in ("epsilon", "epsilon_high", "beta", "weight_decay",
@@ -459,41 +454,6 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
                                                       "all": norm([sum(g) for g in zip(*grads)])}}
 
 
-def pyplot():
-    """matplotlib.pyplot without a display, or None: matplotlib is optional (figures only)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG")
-
-
-def save_png(plt, fig, path: Path) -> None:
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_bars(ax, table: dict[str, list], title: str, intervals: dict[str, list] | None = None) -> None:
-    """Bars per bin, a colour per {label: 4 values}, with `intervals` or the paper's Figure 3 as black marks."""
-    width = 0.8 / len(table)
-    for i, (label, ys) in enumerate(table.items()):
-        x = [b - 0.4 + width * (i + 0.5) for b in range(4)]
-        y = [math.nan if v is None else v for v in ys]
-        ci = (intervals or {}).get(label)
-        err = None if ci is None else [[max(0, v - c[0]) if c else 0 for v, c in zip(y, ci)],
-                                       [max(0, c[1] - v) if c else 0 for v, c in zip(y, ci)]]
-        ax.bar(x, y, width, yerr=err, capsize=2, color=f"C{i}", label=label)
-        if intervals is None and label in PAPER_FIGURES["pos_rose"]:
-            ax.plot(x, PAPER_FIGURES["pos_rose"][label], "k_", ms=10, mew=2)
-    ax.axhline(0.5 if intervals is None else 0, c="gray", lw=0.5)
-    ax.set(title=title, xticks=range(4), xticklabels=BIN_NAMES)
-    ax.legend(fontsize=7)
-
-
 # ====== Toy: Figure 3's mechanism on a linear softmax policy ======
 # logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every context as an LLM's
 # output layer is; x_t, a fixed random recurrent feature of the history (prefixes rarely repeat); b_t, a fixed bias
@@ -624,7 +584,7 @@ def fmt_list(xs: list, spec: str = ".3f") -> str:
 
 
 def toy_main(args: argparse.Namespace) -> dict:
-    """`python lopti.py toy`: run, print the checks, write results.json and toy.png to --out."""
+    """`python lopti.py toy`: run, print the checks, write results.json to --out."""
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if getattr(args, f.name, None) is not None}
     s = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
     out = args.out or Path("runs/toy" if given or args.quick else "toy")
@@ -637,6 +597,7 @@ def toy_main(args: argparse.Namespace) -> dict:
     rose, gap = r["figure3"]["rose"]["grpo"], r["figure3"]["rose"]["grpo"][0] - r["figure3"]["rose"]["grpo"][3]
     r["checks"] = [f"[{'yes' if gap >= 0.05 else 'NO '}] GRPO's top bin rose at least 0.05 less often than its lowest:"
                    f" {fmt_list(rose)} (lowest - top {gap:+.3f})"]
+    r["checks"] += [f"[own runs] {m} rose {fmt_list(v)}" for m, v in r["figure3"]["rose"].items()]
     for m, d in r["figure3"]["paired"].items():
         lo, hi = d["ci95"][3]
         verdict = ("raises" if lo > 0 else "lowers") if d["resolved"][3] else "does not resolve"
@@ -645,15 +606,6 @@ def toy_main(args: argparse.Namespace) -> dict:
     print("\n".join(r["checks"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(r, indent=1) + "\n")
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(1, 2, figsize=(14, 4))
-        plot_bars(ax[0], r["figure3"]["rose"], "Figure 3: share of A>0 tokens that rose (each method's own runs;"
-                  " paper: black)")
-        paired = r["figure3"]["paired"]
-        plot_bars(ax[1], {m: d["delta"] for m, d in paired.items()}, "paired: minus GRPO's, same state and batch",
-                  {m: d["ci95"] for m, d in paired.items()})
-        save_png(plt, fig, out / "toy.png")
     print(f"wrote {out / 'results.json'} in {time.time() - t0:.1f} s")
     return r
 
@@ -689,13 +641,6 @@ _KK_SAYINGS = (  # the benchmark's 18 speech templates
     '{name} asserted: "{content}".', '"{content}," {name} mentioned.', '{name} commented, "{content}".',
     'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
 )
-KK_FEATURES = datasets.Features({  # generated and loaded puzzles alike
-    "quiz": datasets.Value("string"), "names": datasets.List(datasets.Value("string")),
-    "solution": datasets.List(datasets.Value("bool")),  # True = knight, in the order of `names`
-    "solution_text": datasets.Value("string"),
-    "solution_text_format": datasets.Value("string"),  # the reward's ground truth: "(1) Emma is a knight\n(2) ..."
-    "statements": datasets.Value("string"),  # the official Python-literal tuple, 0-based person indices
-    "num_people": datasets.Value("int64")})
 
 
 def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
@@ -750,8 +695,9 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
 
 
 def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0) -> datasets.Dataset:
-    """`n` puzzles with exactly one solution, in the official schema, of num_people (an int, or (lo, hi) drawn per
-    puzzle) within 2..8. As in the benchmark, no statements repeat."""
+    """`n` puzzles with exactly one solution, of num_people (an int, or (lo, hi) drawn per puzzle) within 2..8; no
+    statements repeat, as in the benchmark. Rows in its schema: quiz, names, solution (True = knight),
+    solution_text, solution_text_format (the reward's truth), statements (the tuple's repr), num_people."""
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= 8, f"num_people must lie within 2..8, got {num_people}"
     rng, seen, rows = random.Random(seed), set(), []
@@ -772,7 +718,7 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
         text, text_format = _kk_solution_texts(names, solutions[0])
         rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
                      "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
-    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
+    return datasets.Dataset.from_list(rows)
 
 
 def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
@@ -789,7 +735,7 @@ def _first_line(e: Exception) -> str:
 
 
 def _kk_row(row: dict) -> dict:
-    """A loaded row in KK_FEATURES, checked: its statements must have exactly its solution."""
+    """A loaded row in kk_generate's schema, checked: its statements must have exactly its solution."""
     truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL's rows keep them here
     text_format, statements = (row.get(k) or truth.get(k) for k in ("solution_text_format", "statements"))
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
@@ -829,7 +775,7 @@ def kk_load(source: str) -> datasets.Dataset:
             raise ValueError(f"{source!r} row {i} is not a K&K puzzle ({_first_line(e)})") from e
     if not rows:
         raise ValueError(f"{source!r} has no rows")
-    return datasets.Dataset.from_list(rows, features=KK_FEATURES)
+    return datasets.Dataset.from_list(rows)
 
 
 def kk_prompt(tokenizer, quiz: str) -> str:
@@ -1331,8 +1277,8 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     return result
 
 
-def figure_3(runs: list[Path], out: Path) -> dict:
-    """Figure 3 of runs' own updates, summed per method, and a PNG. Unpaired: a difference between methods mixes in
+def figure_3(runs: list[Path]) -> dict:
+    """Figure 3 of runs' own updates, summed per method. Unpaired: a difference between methods mixes in
     their trajectories (diagnose --steps pairs them)."""
     steps: dict[str, list] = {}
     for run in runs:
@@ -1343,18 +1289,17 @@ def figure_3(runs: list[Path], out: Path) -> dict:
     for m, t in [*table.items(), *((f"paper, {m}", {"rose": v}) for m, v in PAPER_FIGURES["pos_rose"].items())]:
         more = f"; of the moved {fmt_list(t['rose_of_moved'])}; ties {fmt_list(t['ties'])}" if "ties" in t else ""
         print(f"{m}: rose {fmt_list(t['rose'])}{more}")
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        plot_bars(ax, {m: t["rose"] for m, t in table.items()}, "Figure 3: A>0 tokens that rose (paper: black)")
-        save_png(plt, fig, out)
     return table
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
     """Reward, format errors, zero-spread groups and greedy accuracy (the constant answer's dashed) per step."""
-    plt = pyplot()
-    assert plt is not None, "plot needs matplotlib: pip install matplotlib"
+    try:  # matplotlib is optional: only this command draws
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plot needs matplotlib: pip install matplotlib") from None
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for i, run in enumerate(runs):
         lines, cfg = read_jsonl(run / "metrics.jsonl"), json.loads((run / "config.json").read_text())
@@ -1365,7 +1310,8 @@ def plot_runs(runs: list[Path], out: Path) -> None:
         constant = [(r["step"], r["eval/constant_accuracy"]) for r in lines if "eval/constant_accuracy" in r]
         axes[3].plot(*zip(*constant), c=f"C{i}", ls="--")
     axes[0].legend(fontsize=7)
-    save_png(plt, fig, out)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
 
 
 # ====== A first read can stop here: TRL, then the command line ======
@@ -1488,8 +1434,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(ToySettings):
         toy.add_argument(f"--{f.name}", type=type(f.default), help=f"default {f.default}")
     toy.add_argument("--quick", action="store_true", help=f"a smoke test: {TOY_QUICK}")
-    toy.add_argument("--out", type=Path, help="folder for results.json and toy.png (default toy/, or runs/toy/ when "
-                     "a setting is given)")
+    toy.add_argument("--out", type=Path, help="folder for results.json (default toy/, or runs/toy/ when a setting "
+                     "is given)")
     body = ast.parse(inspect.getsource(Config)).body[0].body  # each field's docstring, for --help
     docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
@@ -1507,7 +1453,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("plot", "learning curves of runs"), ("fig3", "Figure 3 of runs' own updates, per method")):
         p = sub.add_parser(name, help=what)
         p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders written by train")
-        p.add_argument("--out", type=Path, default=Path(f"{name}.png"), help=f"the PNG to write (default {name}.png)")
+    sub.choices["plot"].add_argument("--out", type=Path, default=Path("plot.png"), help="the PNG (default plot.png)")
     return parser
 
 
@@ -1533,7 +1479,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "toy":
             toy_main(args)
         elif args.command in ("plot", "fig3"):
-            (plot_runs if args.command == "plot" else figure_3)(args.runs, args.out)
+            plot_runs(args.runs, args.out) if args.command == "plot" else figure_3(args.runs)
         else:
             cfg = resolve_config(vars(args))
             if args.command == "train":

@@ -188,10 +188,9 @@ def test_diagnose_writes_figures_1_and_3_paired_and_only_reads_the_model(tiny_mo
             assert (x is None) == (ci is None) and (x is None or ci[0] - 1e-12 <= x <= ci[1] + 1e-12)
 
 
-@pytest.mark.parametrize("command", ["plot", "fig3"])
-def test_plot_and_fig3_write_a_png(command, cli_run, tmp_path):
+def test_plot_writes_a_png(cli_run, tmp_path):
     pytest.importorskip("matplotlib")
-    assert lopti.main([command, str(cli_run), "--out", str(tmp_path / "out.png")]) == 0
+    assert lopti.main(["plot", str(cli_run), "--out", str(tmp_path / "out.png")]) == 0
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
