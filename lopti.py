@@ -398,8 +398,10 @@ def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Op
     """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch, counted against
     `before` by `measure()` (the same pass), then weights and optimiser state restored bit for bit. A difference
     between methods is then theirs, not their batches' or trajectories'."""
-    weights, state, out = {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), {}
-    state = copy.deepcopy(state)
+    snapshot = lambda x: x.to("cpu", copy=True) if torch.is_tensor(x) else copy.deepcopy(x)  # noqa: E731
+    weights, state, out = {k: snapshot(v) for k, v in model.state_dict().items()}, optimizer.state_dict(), {}
+    state = {"state": {i: {k: snapshot(v) for k, v in p.items()} for i, p in state["state"].items()},
+             "param_groups": snapshot(state["param_groups"])}  # on the CPU: the GPU holds one model and state
     for m in methods:
         update_policy(method_config(cfg, m), logprob_fn, optimizer, batch)
         out[m] = update_counts(before, measure(), batch["advantages"], batch["mask"], batch["old_logprobs"])
@@ -424,14 +426,15 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
         d = torch.tensor([[a - b for a, b in zip(u[m]["update/pos_rose"], u[reference]["update/pos_rose"])]
                           for u in units], dtype=torch.float64)  # (U, 4)
         lo, hi = ((d[pick].sum(1) / n[pick].sum(1)).nanquantile(q, 0).tolist() for q in (0.025, 0.975))
-        p = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().mean(0).tolist()  # (4,)
+        hits = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
+        p = (hits / len(signs) if U <= 12 else (hits + 1) / (len(signs) + 1)).tolist()  # (random: never 0)
         delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         out[m] = {"delta": delta, "ci95": [[a, b] if x is not None else None for a, b, x in zip(lo, hi, delta)],
                   "p": p, "resolved": [x is not None and q < 0.05 for x, q in zip(delta, p)]}
     return out
 
 
-def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> dict:
+def measure_bins(micro_batch_size: int, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> dict:
     """Figure 1 (a) and (d) on one batch: per bin, the share of the tokens of rows with A != 0, and the norm of
     GRPO's gradient at ratio 1 (pi_old from this forward) with only that bin's advantages kept; at ratio 1 the loss
     is linear in A, so the bins' gradients add up to the all-token one ("all")."""
@@ -439,7 +442,7 @@ def measure_bins(cfg: Config, model: torch.nn.Module, logprob_fn: Callable, batc
     masks, n = bin_masks(batch["old_logprobs"], mask), mask.sum()  # (4, B, T)
     grads = [[torch.zeros_like(p) for p in params] for _ in range(4)]
     rows = rows_with_gradient(batch["advantages"], 0.0).nonzero().squeeze(1).cpu()
-    for micro in rows.split(cfg.micro_batch_size) if len(rows) else ():
+    for micro in rows.split(micro_batch_size) if len(rows) else ():
         sub = {k: v[micro] for k, v in batch.items()}
         logp = logprob_fn(sub)  # (b, T)
         for b in range(4):
@@ -547,9 +550,10 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
     """A trajectory of `method` on seed `seed`'s task: per step the reward, the update's counts, and the `paired`
     methods' paired_counts (with the own update's under `method`)."""
     net, gen, B = ToyPolicy(s, seed), torch.Generator().manual_seed(seed), s.prompts * s.group
+    half = B // 2 if B % 2 == 0 else B
     base = Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer, weight_decay=0.0,
                   beta=0.0, temperature=1.0, num_generations=s.group, prompts_per_step=s.prompts,
-                  mini_batch_size=B // 2, micro_batch_size=B // 2)  # 2 optimiser steps a pass; no decay (the paper's
+                  mini_batch_size=half, micro_batch_size=half)  # 2 optimiser steps a pass; no decay (the paper's
     cfg = method_config(base, method)  # analysis has none, and Lopti's extra steps would decay twice)
     opt, logprob_fn = make_optimizer(net, cfg), functools.partial(toy_logprobs, net)
     out = {"reward": [], "counts": [], "paired": []}
@@ -572,7 +576,7 @@ def run_toy(s: ToySettings) -> dict:
     own = {m: figure3_shares(pool_counts([c for r in rs for c in r["counts"]])) for m, rs in runs.items()}
     net = ToyPolicy(s, s.seed)
     batch = toy_rollout(net, torch.Generator().manual_seed(s.seed))
-    figure1 = measure_bins(Config(micro_batch_size=len(batch["mask"])), net, lambda b: toy_logprobs(net, b), batch)
+    figure1 = measure_bins(len(batch["mask"]), net, functools.partial(toy_logprobs, net), batch)
     reward = {m: [sum(r["reward"][t] for r in rs) / len(rs) for t in range(s.steps)] for m, rs in runs.items()}
     figure3 = {k: {m: v[k] for m, v in own.items()} for k in ("rose", "rose_of_moved", "ties")}
     return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "reward": reward,
@@ -1099,6 +1103,19 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
+    """The policy from `start` (a checkpoint) or cfg.model, warmed up unless it is a run's checkpoint; its tokenizer;
+    the frozen reference model, cfg.model before any warm-up (None when beta = 0)."""
+    model, tokenizer = load_model(str(start or cfg.model), device), load_tokenizer(str(start or cfg.model))
+    ref_model = None if cfg.beta == 0 else load_model(cfg.model, device, torch.bfloat16 if has_bf16(device) else
+                                                      torch.float32).eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if cfg.warmup_steps and not (Path(start or cfg.model) / "trainer_state.pt").exists():
+        warm_up(cfg, model, tokenizer, device)
+    return model, tokenizer, ref_model
+
+
 def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
     """The rows of step `step` (0-based): slices of per-epoch shuffles of (seed, epoch), so --resume replays them."""
     order = lambda e: torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + e))  # noqa
@@ -1167,13 +1184,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
             state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         except pickle.UnpicklingError as e:
             raise ValueError(f"{ckpt}/trainer_state.pt cannot be loaded safely ({_first_line(e)})") from None
-    model, tokenizer = load_model(str(ckpt or cfg.model), device), load_tokenizer(str(ckpt or cfg.model))
-    ref_model = None if cfg.beta == 0 else load_model(cfg.model, device, torch.bfloat16 if has_bf16(device) else
-                                                      torch.float32).eval().requires_grad_(False)  # frozen
-    if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    if cfg.warmup_steps and not ckpt:
-        warm_up(cfg, model, tokenizer, device)
+    model, tokenizer, ref_model = load_policy(cfg, device, ckpt)
     optimizer, start = make_optimizer(model, cfg), state["step"]
     if ckpt:
         optimizer.load_state_dict(state["optimizer"])
@@ -1237,24 +1248,21 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     """Figure 1 (measure_bins) on cfg.model's first batch; with `steps`, Figure 3 paired along a trajectory of cfg's
-    method (fresh optimiser): each step applies the other three of GRPO, AR, Lopti, AR+Lopti (paired_counts), then
-    its own update. Writes the JSON `out`; the model's folder is only read."""
+    method (fresh optimiser): each step applies the others of GRPO, AR, Lopti, AR+Lopti (paired_counts), then its
+    own update. Writes the JSON `out`; the model's folder is only read."""
     cfg = dataclasses.replace(cfg, measure_update=True)
     device, own = pick_device(), method_name(asdict(cfg))
     torch.manual_seed(cfg.seed)
     train_rows = load_task_data(cfg)[0]
-    model, tokenizer = load_model(cfg.model, device), load_tokenizer(cfg.model)
-    ref_model = load_model(cfg.model, device).eval().requires_grad_(False) if cfg.beta > 0 else None
-    if cfg.warmup_steps and not (Path(cfg.model) / "trainer_state.pt").exists():  # as a run starts (not a checkpoint)
-        warm_up(cfg, model, tokenizer, device)
+    model, tokenizer, ref_model = load_policy(cfg, device)
     optimizer, units = make_optimizer(model, cfg), []
     result = {"model": cfg.model, "bins": BIN_NAMES, "paper": PAPER_FIGURES}
     others = [m for m in ("grpo", "ar", "lopti", "ar_lopti") if m != own]
 
     def probe(batch: dict, logprob_fn: Callable, measure: Callable, before: torch.Tensor) -> dict:
         if "figure1" not in result:  # in fp32 (no autocast), as its gradients are summed in fp64
-            result["figure1"] = measure_bins(cfg, model, functools.partial(completion_logprobs, model,
-                                                                           temperature=cfg.temperature), batch)
+            fp32_logprobs = functools.partial(completion_logprobs, model, temperature=cfg.temperature)
+            result["figure1"] = measure_bins(cfg.micro_batch_size, model, fp32_logprobs, batch)
         if steps:
             units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure, before, others))
         return {}
@@ -1333,7 +1341,8 @@ def _lopti_grpo_trainer_class():
             Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)  # checks them
             assert args.loss_type == "dapo", "LoptiGRPOTrainer's loss is the token-mean: GRPOConfig(loss_type='dapo')"
             defaults = {"importance_sampling_level": "token", "delta": None, "top_entropy_quantile": 1.0,
-                        "off_policy_mask_threshold": None}  # TRL options this loss does not apply
+                        "off_policy_mask_threshold": None,  # TRL options this loss does not apply
+                        **({"vllm_importance_sampling_correction": False} if args.use_vllm else {})}
             ignored = {k: getattr(args, k, v) for k, v in defaults.items() if getattr(args, k, v) != v}
             assert not ignored, f"LoptiGRPOTrainer's loss does not apply {ignored}"
             assert not lopti or args.steps_per_generation % args.gradient_accumulation_steps == 0, \

@@ -12,7 +12,6 @@ from pathlib import Path
 import datasets
 import pandas as pd
 import pytest
-import torch
 
 import lopti
 from lopti import (KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, Config, constant_accuracy,

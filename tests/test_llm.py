@@ -524,3 +524,14 @@ def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, mon
     lopti.train(cfg)
     lopti.train(dataclasses.replace(cfg, steps=2), resume=True)
     assert warmed == [True]
+
+
+def test_load_policy_checkpoints_warms_up_and_keeps_the_reference_cold(tiny_model_dir, tmp_path, monkeypatch):
+    """train and diagnose share load_policy: gradient checkpointing on when asked (diagnose --preset colab/gpu
+    needs it too), the warm-up on the policy only, and the reference is cfg.model before the warm-up."""
+    warmed = []
+    monkeypatch.setattr(lopti, "warm_up", lambda cfg, model, *a: warmed.append(model))
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=1, beta=0.01, gradient_checkpointing=True)
+    model, tok, ref = lopti.load_policy(cfg, torch.device("cpu"))
+    assert model.is_activation_checkpointing and warmed == [model] and ref is not model
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training

@@ -183,8 +183,8 @@ def test_run_toy_pools_the_trajectories(small_run):
 
 # --- the command line ---
 def test_cli_quick_writes_results(tmp_path, capsys, small_run):
-    """`python lopti.py toy --quick --out DIR` writes results.json; the JSON holds the printed checks and exactly the results of a separate run_toy with the same settings
-    (determinism). (--vocab 64 keeps it under a second.)"""
+    """`python lopti.py toy --quick --out DIR` writes results.json; the JSON holds the printed checks and exactly the
+    results of a separate run_toy with the same settings (determinism). (--vocab 64 keeps it under a second.)"""
     assert lopti.main(["toy", "--quick", "--vocab", "64", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["settings"] == dataclasses.asdict(SMALL)
@@ -194,7 +194,7 @@ def test_cli_quick_writes_results(tmp_path, capsys, small_run):
 
 
 def test_only_the_default_run_writes_the_toy_folder(monkeypatch, tmp_path):
-    """Only the run with no setting given goes to toy/ (the README's committed figure); any setting, even at its
+    """Only the run with no setting given goes to toy/ (the committed toy/results.json); any setting, even at its
     default value, or --quick, goes to runs/toy/ unless --out says otherwise."""
     monkeypatch.chdir(tmp_path)
     seen = []
@@ -225,3 +225,9 @@ def test_bad_option_is_one_line_and_exit_2(bad, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and bad[0].lstrip("-") in err, err
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_an_odd_batch_runs_with_one_optimiser_step_a_pass():
+    """prompts x group odd (3 x 3) or not a power of two: the toy still runs, Figure 1 included."""
+    r = lopti.run_toy(ToySettings(seeds=1, steps=1, vocab=16, prompts=3, group=3))
+    assert len(r["figure1"]["token_share"]) == 4 and r["reward"]["grpo"]

@@ -168,7 +168,8 @@ def test_the_trainer_class_is_made_once_and_subclasses_trl():
     ({}, dict(loss_type="grpo"), "dapo"),  # the loss is the token-mean; another would be silently replaced
     ({"eta": 0.0}, {}, "eta"), ({"alpha": 1.5}, {}, "alpha"), ({"lopti_order": "sideways"}, {}, "lopti_order"),
     ({"dual_clip": 1.0}, {}, "dual_clip"),
-    ({}, dict(steps_per_generation=6), "steps_per_generation")])  # an optimiser step would span both stages
+    ({}, dict(steps_per_generation=6), "steps_per_generation"),  # an optimiser step would span both stages
+    ({}, dict(use_vllm=True), "vllm_importance_sampling_correction")])  # TRL's loss applies it; this one would not
 def test_bad_knobs_are_refused_before_the_model_loads(knobs, args, match, tmp_path):
     """Refused with a message naming the setting, before TRL loads a model (here: a folder that does not exist)."""
     config = grpo_args(tmp_path, **args)  # (TRL accepts it)

@@ -392,6 +392,13 @@ def test_paired_deltas_resolves_six_agreeing_units_and_not_five():
     assert paired_deltas([unit] * 6)["lopti"]["resolved"][0]
 
 
+def test_paired_deltas_over_many_units_never_reports_p_zero():
+    """Past 12 units the sign patterns are drawn at random: the observed one counts too, so p >= 1/(resamples+1)."""
+    unit = _unit([10, 0, 0, 0], [5, 0, 0, 0], [7, 0, 0, 0])
+    p = paired_deltas([unit] * 20, resamples=100)["lopti"]["p"][0]
+    assert p == pytest.approx(1 / 101)
+
+
 # --- measure_bins (Figure 1)
 
 
@@ -402,7 +409,7 @@ def test_the_four_bins_gradients_add_up_to_the_all_token_gradient():
     model = _Linear(weight)
     bins = bin_masks(batch["old_logprobs"], batch["mask"])
     assert (bins.sum(0) == batch["mask"]).all() and all(b.any() for b in bins)  # a partition; no bin empty
-    r = measure_bins(dataclasses.replace(BASE, micro_batch_size=2), model, model.logprobs, batch)
+    r = measure_bins(2, model, model.logprobs, batch)
     n, adv = int(batch["mask"].sum()), batch["advantages"][:, None].expand(B, T)
     assert r["grad_norm"]["all"] == pytest.approx(_grad(weight, batch, adv, batch["mask"], n).norm().item(), rel=1e-5)
     assert r["grad_norm"]["bins"] == pytest.approx([_grad(weight, batch, adv * b, batch["mask"], n).norm().item()
@@ -420,7 +427,7 @@ def test_one_token_gradient_norm_by_hand():
     batch = {"x": torch.ones(1, 1, 1, dtype=torch.float64), "tokens": torch.tensor([[0]]),
              "mask": torch.tensor([[True]]), "advantages": torch.tensor([1.5], dtype=torch.float64)}
     batch["old_logprobs"] = model.logprobs(batch).detach()
-    r = measure_bins(dataclasses.replace(BASE, micro_batch_size=1), model, model.logprobs, batch)
+    r = measure_bins(1, model, model.logprobs, batch)
     assert r["grad_norm"]["bins"] == pytest.approx([0, 0, 0, 0.3 * math.sqrt(2)], rel=1e-6)  # policy_loss is fp32
     assert r["grad_norm"]["all"] == pytest.approx(0.3 * math.sqrt(2), rel=1e-6)
     assert r["token_share"] == [0, 0, 0, 1]
@@ -432,20 +439,20 @@ def test_measure_bins_takes_pi_old_from_its_own_forward():
     weight, batch = _problem()
     model = _Linear(weight)
     cfg = dataclasses.replace(BASE, micro_batch_size=3)
-    exact = measure_bins(cfg, model, model.logprobs, batch)
+    exact = measure_bins(cfg.micro_batch_size, model, model.logprobs, batch)
     old = batch["old_logprobs"]
     shift = 0.25 * torch.where(torch.rand(B, T, generator=torch.Generator().manual_seed(0)) < 0.5, 1.0, -1.0)
     keep = (bin_masks(old + shift, batch["mask"]) == bin_masks(old, batch["mask"])).all(0)
     skewed = {**batch, "old_logprobs": torch.where(keep, old + shift, old)}
     assert (keep & batch["mask"]).sum() >= 10
-    assert measure_bins(cfg, model, model.logprobs, skewed) == exact
+    assert measure_bins(cfg.micro_batch_size, model, model.logprobs, skewed) == exact
 
 
 def test_a_batch_without_advantages_has_nothing_to_measure():
     """Every group scored alike: zero gradients (no NaN), no token shares (no row has pi_old), nothing moves."""
     weight, batch = _problem()
     model = _Linear(weight)
-    r = measure_bins(dataclasses.replace(BASE, micro_batch_size=3), model, model.logprobs,
+    r = measure_bins(3, model, model.logprobs,
                      {**batch, "advantages": torch.zeros(B)})
     assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"] == [None] * 4
     assert torch.equal(model.weight.detach(), weight)
