@@ -87,7 +87,8 @@ class Config:
     num_generations: int = 8
     """Group size G: samples per prompt."""
     temperature: float = 0.7
-    """Sampling temperature T; every log-prob is computed from logits / T."""
+    """Sampling temperature T. Every log-prob (current, old, reference) is of logits / T, as the official actor's:
+    scoring softmax(z) while sampling softmax(z / T) would make the first ratio != 1 and move Lopti's split."""
     max_completion_length: int = 4096
     """Longest completion, in tokens."""
     generation_batch_size: int = 0
@@ -189,8 +190,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    chunk_elems: int = 2**24, head: torch.nn.Linear | None = None) -> torch.Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32 for logits (B, T, V) and tokens (B, T); with `head` (an LM's
     output layer), `logits` are final hidden states (B, T, H) and z_t = head(h_t).
-    - At the sampling temperature T for every log-prob (current, old, reference), as the official actor: scoring
-      softmax(z) while sampling softmax(z / T) makes the first ratio != 1 and moves Lopti's split.
     - The softmax's sum in fp64: near pi = 1 it is 1 + a tiny rest, which fp32 rounds in steps of 6e-8, so that an
       update's change to such a token would read as none (Figure 3's ties).
     - With `head`, chunks of ~`chunk_elems` logits: the (B, T, V) logits never exist whole, and under autograd a
@@ -282,8 +281,8 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optim
     """One RL step's update: AR (Eq. 4), then one GRPO pass or Lopti's two complete passes (Algorithm 1). `batch`:
     (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and what `logprob_fn(micro)`
     needs to return the current (b, T) log-probs with gradients. One optimiser step per mini-batch, micro-batches
-    accumulated over the mini-batch's token count. Stage 2 starts from stage 1's weights and optimiser state, with
-    the same pi_old and split. Rows without gradient are skipped but counted in the denominator."""
+    accumulated (policy_loss's num_tokens). Stage 2 starts from stage 1's weights and optimiser state, with the same
+    pi_old and split. Rows without gradient are skipped but counted in the denominator."""
     B, mask = len(batch["mask"]), batch["mask"].bool()
     adv = reweight_advantages(batch["advantages"], batch["old_logprobs"], cfg.alpha)  # (B, T): AR before Lopti
     stages = [("all", mask)]
@@ -483,10 +482,9 @@ class ToySettings:
     target_gap: float = 0.5  # a target's bias is the bigram token's minus this
 
     def __post_init__(self):  # a bad --setting is one line (main)
-        for name, ok in (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("alpha", 0 < self.alpha <= 1),
-                         ("vocab", self.vocab >= 2), ("dim", self.dim >= 1), ("prompts", self.prompts >= 1),
-                         ("group", self.group >= 2), ("decisions", 1 <= self.decisions <= self.length),
-                         ("optimizer", self.optimizer in ("adamw", "sgd")), ("target_gap", self.target_gap >= 0)):
+        for name, ok in (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("vocab", self.vocab >= 2),
+                         ("dim", self.dim >= 1), ("prompts", self.prompts >= 1), ("group", self.group >= 2),
+                         ("decisions", 1 <= self.decisions <= self.length), ("target_gap", self.target_gap >= 0)):
             if not ok:
                 raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
 
@@ -598,7 +596,8 @@ def toy_main(args: argparse.Namespace) -> dict:
         r = run_toy(s)
     finally:
         torch.set_num_threads(threads)
-    rose, gap = r["figure3"]["rose"]["grpo"], r["figure3"]["rose"]["grpo"][0] - r["figure3"]["rose"]["grpo"][3]
+    rose = r["figure3"]["rose"]["grpo"]
+    gap = rose[0] - rose[3]
     r["checks"] = [f"[{'yes' if gap >= 0.05 else 'NO '}] GRPO's top bin rose at least 0.05 less often than its lowest:"
                    f" {fmt_list(rose)} (lowest - top {gap:+.3f})"]
     r["checks"] += [f"[own runs] {m} rose {fmt_list(v)}" for m, v in r["figure3"]["rose"].items()]
@@ -634,9 +633,6 @@ KK_NAMES = tuple((  # the benchmark's 51 names
     "Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley Matthew Aria "
     "Joseph Lily Luke Aurora David Zoey Oliver Penelope"
 ).split())
-_KK_PREAMBLE = ("A very special island is inhabited only by knights and knaves. "
-                "Knights always tell the truth, and knaves always lie. ")
-_KK_QUESTION = "So who is a knight and who is a knave?"
 _KK_SAYINGS = (  # the benchmark's 18 speech templates
     "{name} said that {content}.", "{name} told you that {content}.", '{name} said, "{content}."',
     '{name} stated, "{content}".', 'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
@@ -718,7 +714,8 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
         said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_text(names, s))
                         for i, s in enumerate(statements))
         people = f"You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}."
-        quiz = f"{_KK_PREAMBLE}{people} {said} {_KK_QUESTION}"
+        quiz = ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, and "
+                f"knaves always lie. {people} {said} So who is a knight and who is a knave?")
         text, text_format = _kk_solution_texts(names, solutions[0])
         rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
                      "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
