@@ -829,8 +829,57 @@ def constant_accuracy(rows) -> float:
     return sum(best.values()) / max(len(rows), 1)
 
 
+def _kk_relabel(statement: tuple, order: tuple[int, ...]) -> tuple:
+    """The statement with person i renamed order[i], the operands of and, or and <=> sorted."""
+    op, *args = statement
+    if op in ("telling-truth", "lying"):
+        return (op, order[args[0]])
+    operands = [_kk_relabel(a, order) for a in args]
+    if op in ("and", "or", "<=>"):
+        operands = sorted(operands)
+    return (op, *operands)
+
+
+def _kk_outline(statements: tuple) -> tuple:
+    """What a renaming of the people keeps: each statement with its speaker as 0 and everyone else as 1, sorted."""
+    outlines = [_kk_relabel(s, [0 if person == i else 1 for person in range(len(statements))])
+                for i, s in enumerate(statements)]
+    return tuple(sorted(outlines))
+
+
+def kk_twins(rows, others) -> list[bool]:
+    """For each puzzle of `rows`, whether `others` holds a logical twin: the same statements up to names (some
+    renaming of the people makes them equal, the operands of and, or, <=> in any order). 2-person puzzles have
+    only 95 such classes: a model can learn them by heart."""
+    by_outline = collections.defaultdict(set)
+    for text in others["statements"]:
+        statements = ast.literal_eval(text)
+        by_outline[_kk_outline(statements)].add(tuple(_kk_relabel(s, range(len(statements))) for s in statements))
+    twins = []
+    for text in rows["statements"]:
+        statements = ast.literal_eval(text)
+        candidates = by_outline[_kk_outline(statements)]
+        found = False
+        for order in itertools.permutations(range(len(statements))) if candidates else ():
+            renamed = [None] * len(statements)
+            for speaker, statement in enumerate(statements):
+                renamed[order[speaker]] = _kk_relabel(statement, order)
+            found = tuple(renamed) in candidates
+            if found:
+                break
+        twins.append(found)
+    return twins
+
+
+def warmup_puzzles(cfg: Config) -> datasets.Dataset:
+    """The warm-up's puzzles, from a seed of their own: not the RL steps' or the evaluation's."""
+    lo, hi = people_range(cfg.num_people)
+    return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, (lo, hi), seed=cfg.seed + 2_000_003)
+
+
 def load_task_data(cfg: Config):
-    """Training and evaluation rows; no evaluation puzzle is a training one."""
+    """Training and evaluation rows; no evaluation puzzle is a training one. The evaluation rows' column `twin`
+    says which have a logical twin among the training and warm-up puzzles (kk_twins)."""
     lo, hi = people_range(cfg.num_people)
     train = kk_generate(cfg.num_train, (lo, hi), cfg.seed) if cfg.train_data == "generate" else kk_load(cfg.train_data)
     evals = (datasets.concatenate_datasets([kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n)
@@ -840,6 +889,10 @@ def load_task_data(cfg: Config):
     evals = evals.filter(lambda row: row["quiz"] not in seen)
     if len(evals) == 0:
         raise ValueError("every evaluation puzzle is also a training puzzle: use other --eval_data")
+    seen_statements = {"statements": list(train["statements"])}
+    if cfg.warmup_steps:
+        seen_statements["statements"] += list(warmup_puzzles(cfg)["statements"])
+    evals = evals.add_column("twin", kk_twins(evals, seen_statements))
     return train, evals
 
 
@@ -1020,12 +1073,35 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict[
         texts = rollout(model, tokenizer, prompts, cfg, device, greedy=True)["texts"]
         rewards += kk_rewards(texts, chunk["solution_text_format"]).tolist()
         sizes += chunk["num_people"]
-    out = {"eval/accuracy": rewards.count(KK_MAX_REWARD) / len(rewards),
-           "eval/constant_accuracy": constant_accuracy(rows)}
+    correct = [r == KK_MAX_REWARD for r in rewards]
+    out = {"eval/accuracy": sum(correct) / len(correct), "eval/constant_accuracy": constant_accuracy(rows),
+           "eval/correct": "".join("1" if c else "0" for c in correct)}
+    if "twin" in rows.column_names:
+        no_twin = [c for c, twin in zip(correct, rows["twin"]) if not twin]
+        out["eval/twins"] = len(correct) - len(no_twin)
+        out["eval/accuracy_no_twin"] = sum(no_twin) / len(no_twin) if no_twin else None
     for n in sorted(set(sizes)):
         r = [x for x, k in zip(rewards, sizes) if k == n]
         out.update({f"eval/accuracy_{n}ppl": r.count(KK_MAX_REWARD) / len(r), f"eval/reward_{n}ppl": sum(r) / len(r)})
     return out
+
+
+def sign_test_p(gained: int, lost: int) -> float:
+    """McNemar's exact test: the two-sided p of `gained` against `lost` among the puzzles whose outcome changed,
+    if each change were a fair coin. Example: 9 gained, 1 lost -> 2 * (1 + 10) / 2**10 = 0.021."""
+    changed = gained + lost
+    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
+    return min(1.0, 2 * tail)
+
+
+def paired_gain(before: str, after: str) -> dict[str, float]:
+    """RL's gain on the same puzzles, from two evaluations' eval/correct ("0110..."): the accuracy difference, the
+    puzzles gained and lost, and McNemar's exact p."""
+    assert len(before) == len(after), "two evaluations of the same puzzles"
+    gained = sum(b == "0" and a == "1" for b, a in zip(before, after))
+    lost = sum(b == "1" and a == "0" for b, a in zip(before, after))
+    return {"eval/gain": (gained - lost) / len(before), "eval/gained": gained, "eval/lost": lost,
+            "eval/gain_p": sign_test_p(gained, lost)}
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device: torch.device,
@@ -1079,9 +1155,9 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
     """The supervised warm-up (ours, for small models: the paper's 3B model needs none, and pure RL on K&K stalls
     below ~1.5B): cfg.warmup_steps optimiser steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step
     puzzles each, generated from a seed of their own: not the RL steps' or the evaluation's puzzles."""
-    lo, hi = people_range(cfg.num_people)
-    rows = kk_generate(cfg.warmup_steps * cfg.prompts_per_step, (lo, hi), seed=cfg.seed + 2_000_003)
-    optimizer = make_optimizer(model, dataclasses.replace(cfg, learning_rate=cfg.warmup_learning_rate))
+    rows = warmup_puzzles(cfg)
+    # supervised learning: AdamW whatever cfg.optimizer says (SGD at this learning rate would warm nothing up)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_learning_rate, weight_decay=cfg.weight_decay)
     model.train()
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
         pairs = [(tokenizer(kk_prompt(tokenizer, r["quiz"]), add_special_tokens=False).input_ids,
@@ -1200,12 +1276,13 @@ def train(cfg: Config, resume: bool = False) -> Path:
             f.write(json.dumps(record) + "\n")
 
     def evaluation(step: int) -> None:
-        log("metrics.jsonl", {"step": step, **evaluate(model, tokenizer, eval_rows, cfg, device)})
+        record = evaluate(model, tokenizer, eval_rows, cfg, device)
+        if step > 0:  # RL's gain over step 0 (after the warm-up), puzzle by puzzle
+            step_0 = next(r for r in read_jsonl(out / "metrics.jsonl") if r["step"] == 0)
+            record.update(paired_gain(step_0["eval/correct"], record["eval/correct"]))
+        log("metrics.jsonl", {"step": step, **record})
 
-    due = lambda s: bool(cfg.eval_every and s % cfg.eval_every == 0) or s == cfg.steps  # noqa: E731
-    if start and due(start) and not any("eval/accuracy" in r and r["step"] == start for r in read_jsonl(
-            out / "metrics.jsonl")):
-        evaluation(start)  # the run stopped after saving this step, before evaluating it
+    due = lambda s: bool(cfg.eval_every and s % cfg.eval_every == 0) or s in (0, cfg.steps)  # noqa: E731
     stop = {}
 
     def on_signal(signum, frame):
@@ -1216,6 +1293,13 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if due(start) and not any("eval/accuracy" in r and r["step"] == start for r in read_jsonl(
+                out / "metrics.jsonl")):
+            evaluation(start)  # step 0, or the run stopped after saving this step, before evaluating it
+        if stop:  # a signal during that evaluation
+            save_checkpoint(out, model, tokenizer, optimizer, start)
+            print(f"lopti.py train: stopped after step {start}, saved; continue with --resume", file=sys.stderr)
+            raise SystemExit(128 + stop["signum"])
         for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train"):
             rows = train_rows[step_rows(len(train_rows), cfg, step - 1)]
             metrics = train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)

@@ -140,7 +140,7 @@ def test_train_writes_a_run_with_the_flags_it_was_given(cli_run):
     assert cfg["lopti"] is False and cfg["steps"] == 2 and cfg["learning_rate"] == 1e-3
     assert [p.name for p in lopti.checkpoints(cli_run)] == ["checkpoint-2"]
     steps = [r["step"] for r in lopti.read_jsonl(cli_run / "metrics.jsonl")]
-    assert steps == [1, 2, 2]  # two steps, then the evaluation at the last
+    assert steps == [0, 1, 2, 2]  # the evaluation at step 0, two steps, then the evaluation at the last
 
 
 def test_eval_prints_accuracy_and_the_constant_answers_as_json(cli_run, tmp_path, capsys, monkeypatch):
@@ -157,7 +157,8 @@ def test_eval_prints_accuracy_and_the_constant_answers_as_json(cli_run, tmp_path
                        "--num_train", "8", "--num_people", "3", "--max_completion_length", "2",
                        "--eval_batch_size", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == pytest.approx({"eval/accuracy": 1 / 3, "eval/constant_accuracy": 2 / 3,
+    assert out == pytest.approx({"eval/accuracy": 1 / 3, "eval/constant_accuracy": 2 / 3, "eval/correct": "001",
+                                 "eval/twins": 0, "eval/accuracy_no_twin": 1 / 3,
                                  "eval/accuracy_3ppl": 1 / 3, "eval/reward_3ppl": -1.0})
 
 

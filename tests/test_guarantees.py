@@ -195,17 +195,42 @@ def test_a_second_signal_aborts_the_save_and_keeps_the_last_checkpoint(tiny_mode
 
 def test_a_signal_during_an_evaluation_starts_no_further_step(tiny_model_dir, tmp_path, rewards, monkeypatch,
                                                               sigterm_fails):
-    calls, real_step = [], lopti.train_step
+    """SIGTERM during step 1's evaluation (the second, after step 0's): step 1 is saved, step 2 never starts."""
+    calls, evaluations, real_step, real_evaluate = [], [], lopti.train_step, lopti.evaluate
 
     def evaluate_then_sigterm(*args):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return {}
+        evaluations.append(1)
+        if len(evaluations) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*args)
 
     monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append(1) or real_step(*a, **k))
     monkeypatch.setattr(lopti, "evaluate", evaluate_then_sigterm)
     with pytest.raises(SystemExit) as exit_:
         lopti.train(tiny_config(tiny_model_dir, tmp_path / "run", steps=4, eval_every=1))
     assert exit_.value.code == 143 and len(calls) == 1 and step_of(lopti.checkpoints(tmp_path / "run")[-1]) == 1
+
+
+def test_a_signal_during_the_step_0_evaluation_saves_the_warmed_up_model(tiny_model_dir, tmp_path, rewards,
+                                                                       monkeypatch, sigterm_fails):
+    """SIGTERM while step 0 (after the warm-up) is evaluated: checkpoint-0 is saved, no RL step starts, and --resume
+    starts from it without a second warm-up or a second step-0 evaluation."""
+    real_evaluate, warmed, out = lopti.evaluate, [], tmp_path / "run"
+
+    def evaluate_then_sigterm(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*args)
+
+    monkeypatch.setattr(lopti, "evaluate", evaluate_then_sigterm)
+    monkeypatch.setattr(lopti, "warm_up", lambda *a: warmed.append(1))
+    cfg = tiny_config(tiny_model_dir, out, steps=2, warmup_steps=1)
+    with pytest.raises(SystemExit) as exit_:
+        lopti.train(cfg)
+    assert exit_.value.code == 143 and [p.name for p in lopti.checkpoints(out)] == ["checkpoint-0"]
+    assert [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl")] == [0]
+    monkeypatch.setattr(lopti, "evaluate", real_evaluate)
+    lopti.train(cfg, resume=True)
+    assert warmed == [1] and [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl")] == [0, 1, 2, 2]
 
 
 # --- a crash: at most save_every steps lost; --resume gives the run never stopped

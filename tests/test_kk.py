@@ -4,6 +4,8 @@ Expectations come from the official rows in data/kk (see its README), from Logic
 (verl/utils/reward_score/kk.py, transcribed below as an independent reference) or are written by hand.
 """
 import ast
+import dataclasses
+import itertools
 import json
 import random
 import re
@@ -16,7 +18,7 @@ import pytest
 import lopti
 from lopti import (KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, Config, constant_accuracy,
                    kk_generate, kk_load, kk_parse_solution, kk_prompt, kk_reward, kk_rewards,
-                   kk_solve, load_task_data)
+                   kk_solve, kk_twins, load_task_data, sign_test_p)
 
 DATA = Path(__file__).parent / "data" / "kk"
 JSONL = {k: DATA / f"{k}ppl_20.jsonl" for k in range(3, 8)}
@@ -553,3 +555,92 @@ def test_case_analysis_golden_and_every_demonstration_scores_3():
     for i in range(len(rows)):
         r = {k: rows[k][i] for k in rows.column_names}
         assert lopti.kk_reward(lopti.THINK_PREFIX + lopti.kk_case_analysis(r), r["solution_text_format"]) == 3.0
+
+
+# --- the evaluation that can tell: logical twins, and McNemar's exact test of RL's gain over step 0
+
+
+def brute_force_logic(statements: tuple) -> str:
+    """An independent canonical form: the least repr over every renaming of the people, commutative operands
+    sorted by their repr."""
+    def rename(s, order):
+        if s[0] in ("telling-truth", "lying"):
+            return (s[0], order[s[1]])
+        args = [rename(a, order) for a in s[1:]]
+        return (s[0], *(sorted(args, key=repr) if s[0] in ("and", "or", "<=>") else args))
+
+    forms = []
+    for order in itertools.permutations(range(len(statements))):
+        renamed = dict((order[i], rename(s, order)) for i, s in enumerate(statements))
+        forms.append(repr(tuple(renamed[i] for i in range(len(statements)))))
+    return min(forms)
+
+
+def as_rows(*puzzles) -> dict:
+    return {"statements": [repr(p) for p in puzzles]}
+
+
+def test_kk_twins_finds_a_puzzle_renamed_with_its_operands_swapped():
+    """Emma (0) says "Liam is a knave", Liam (1) says "Emma is a knight and Liam is a knave". Swapping the two people
+    and the operands of "and" gives the same puzzle; changing one statement's op gives another."""
+    puzzle = (("lying", 1), ("and", ("telling-truth", 0), ("lying", 1)))
+    renamed = (("and", ("lying", 0), ("telling-truth", 1)), ("lying", 0))
+    other = (("lying", 1), ("or", ("telling-truth", 0), ("lying", 1)))
+    assert kk_twins(as_rows(puzzle, other), as_rows(renamed)) == [True, False]
+    assert kk_twins(as_rows(puzzle), as_rows()) == [False]
+
+
+def test_kk_twins_agrees_with_a_brute_force_canonical_form_on_generated_puzzles():
+    """Every distinct 2-person puzzle (399 of them) fall into 95 logical classes; and for 3-4 people, kk_twins says a
+    puzzle has a twin among the others exactly when one shares its brute-force form."""
+    two = kk_generate(399, 2, seed=0)
+    assert len({brute_force_logic(ast.literal_eval(s)) for s in two["statements"]}) == 95
+    rows = kk_generate(40, (3, 4), seed=1)
+    statements = list(rows["statements"])
+    # plant twins: a renamed copy of each of the first 5 puzzles (people reversed)
+    for text in statements[:5]:
+        s = ast.literal_eval(text)
+        n = len(s)
+        order = list(reversed(range(n)))
+        renamed = [None] * n
+        for i, st in enumerate(s):
+            renamed[order[i]] = lopti._kk_relabel(st, order)
+        statements.append(repr(tuple(renamed)))
+    forms = [brute_force_logic(ast.literal_eval(s)) for s in statements]
+    for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9):
+        others = {"statements": statements[:i] + statements[i + 1:]}
+        expected = forms[i] in forms[:i] + forms[i + 1:]
+        assert kk_twins({"statements": [statements[i]]}, others) == [expected]
+    assert kk_twins({"statements": statements[:5]}, {"statements": statements[40:]}) == [True] * 5
+
+
+def test_load_task_data_marks_evaluation_puzzles_with_a_twin_in_training_or_the_warm_up():
+    """2-person puzzles: almost every evaluation puzzle has a twin among 100 training and 80 warm-up puzzles; the
+    column agrees with kk_twins against those puzzles, and without the warm-up fewer are twins."""
+    cfg = Config(num_people="2", num_train=100, eval_size=64, warmup_steps=20, prompts_per_step=4, mini_batch_size=32)
+    train, evals = load_task_data(cfg)
+    seen = {"statements": list(train["statements"]) + list(lopti.warmup_puzzles(cfg)["statements"])}
+    assert evals["twin"] == kk_twins(evals, seen) and sum(evals["twin"]) > 48
+    cold = load_task_data(dataclasses.replace(cfg, warmup_steps=0))[1]
+    assert sum(cold["twin"]) <= sum(evals["twin"]) and cold["twin"] == kk_twins(cold, {"statements": train["statements"]})
+
+
+def test_sign_test_p_golden_values_and_an_enumeration_of_sign_flips():
+    """McNemar's exact p by hand (9 gained, 1 lost: 2 * 11 / 1024; 6 and 0: 2 / 64; none changed: 1), and against an
+    enumeration of every sign pattern of the changed puzzles' differences."""
+    assert sign_test_p(9, 1) == pytest.approx(22 / 1024) and sign_test_p(1, 9) == sign_test_p(9, 1)
+    assert sign_test_p(6, 0) == pytest.approx(2 / 64) and sign_test_p(0, 0) == 1.0 and sign_test_p(4, 4) == 1.0
+    for gained, lost in ((3, 1), (7, 2), (5, 0), (2, 6)):
+        diffs = [1] * gained + [-1] * lost
+        patterns = list(itertools.product((1, -1), repeat=len(diffs)))
+        extreme = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= abs(sum(diffs)) for signs in patterns)
+        assert sign_test_p(gained, lost) == pytest.approx(extreme / len(patterns))
+
+
+def test_paired_gain_on_hand_made_outcomes():
+    """Before 1100110000, after 1011111000: puzzles 2, 3 and 6 gained, puzzle 1 lost; gain (3 - 1) / 10, and
+    McNemar's p of 3 against 1: 2 * (1 + 4) / 16."""
+    out = lopti.paired_gain("1100110000", "1011111000")
+    assert out == {"eval/gain": pytest.approx(0.2), "eval/gained": 3, "eval/lost": 1,
+                   "eval/gain_p": pytest.approx(sign_test_p(3, 1))}
+    assert sign_test_p(3, 1) == pytest.approx(2 * 5 / 16)

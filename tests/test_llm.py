@@ -409,9 +409,10 @@ def test_train_two_steps(tiny_model_dir, tmp_path, monkeypatch, method):
     assert json.loads((out / "config.json").read_text()) == dataclasses.asdict(cfg)
 
     lines = strict_json_lines(out / "metrics.jsonl")
-    assert [x["step"] for x in lines] == [1, 2, 2] and "eval/accuracy" in lines[2] and "reward" not in lines[2]
+    assert [x["step"] for x in lines] == [0, 1, 2, 2] and "reward" not in lines[0] and "reward" not in lines[3]
+    assert "eval/gain" not in lines[0] and lines[3]["eval/gain"] == lines[3]["eval/accuracy"] - lines[0]["eval/accuracy"]
     stages = ("low", "high") if cfg.lopti else ("all",)
-    for line in lines[:2]:
+    for line in lines[1:3]:
         expected = STEP_KEYS | {f"{s}/{k}" for s in stages for k in STAGE_KEYS} | {f"time/update_{s}" for s in stages}
         assert set(line) == expected, set(line) ^ expected
         assert sum(line[f"{s}/token_share"] for s in stages) == pytest.approx(1.0)
@@ -476,8 +477,9 @@ def test_evaluate_accuracy_per_number_of_people_and_the_constant_answers(tiny_mo
     T, F = True, False
     rows = hand_rows([[T, F, T], [F, F, F], [T, F, T], [T, T, T, T], [F, T, F, T]])
     out = lopti.evaluate(model, tok, rows, Config(model="unused", max_completion_length=3, eval_batch_size=2), CPU)
-    assert out == {"eval/accuracy": 0.4, "eval/constant_accuracy": 0.6, "eval/accuracy_3ppl": 0.0,
-                   "eval/reward_3ppl": -0.5, "eval/accuracy_4ppl": 1.0, "eval/reward_4ppl": 3.0}
+    assert out == {"eval/accuracy": 0.4, "eval/constant_accuracy": 0.6, "eval/correct": "00011",
+                   "eval/accuracy_3ppl": 0.0, "eval/reward_3ppl": -0.5, "eval/accuracy_4ppl": 1.0,
+                   "eval/reward_4ppl": 3.0}
 
 
 # --- the supervised warm-up (Config.warmup_steps): the solver's case analysis as the target
@@ -513,6 +515,45 @@ def test_warm_up_raises_the_demonstrations_log_prob_and_trains_on_them_only(tiny
     monkeypatch.setattr(lopti, "sequence_logprobs", real)
     assert len(calls) == 3  # one forward per step: prompts_per_step puzzles each
     assert demonstration_logprob(model, tok, cfg, rows) > before + 0.5
+
+
+def test_warm_up_is_adamw_whatever_the_rl_optimizer(tiny_model_dir, tmp_path):
+    """The warm-up is supervised learning: with --optimizer sgd it gives the very weights it gives with adamw, and
+    they moved (plain SGD at the warm-up's learning rate would barely move them)."""
+    weights = {}
+    for optimizer in ("adamw", "sgd"):
+        cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=2, warmup_learning_rate=3e-3,
+                          num_people="2", optimizer=optimizer)
+        model, tok = load(tiny_model_dir)
+        torch.manual_seed(0)
+        lopti.warm_up(cfg, model, tok, CPU)
+        weights[optimizer] = model.state_dict()
+    start = load(tiny_model_dir)[0].state_dict()
+    assert all(torch.equal(weights["adamw"][k], weights["sgd"][k]) for k in start)
+    assert any(not torch.equal(weights["sgd"][k], start[k]) for k in start)
+
+
+def test_train_evaluates_step_0_after_the_warm_up_and_before_any_rl_step(tiny_model_dir, tmp_path, monkeypatch):
+    """The order of a run: warm-up, evaluation (step 0), RL steps, the final evaluation on the same puzzles; the
+    final record carries RL's paired gain over step 0."""
+    fixed_rewards(monkeypatch, [1.0, 0, 0, 0, 0, 1, 0, 0])
+    calls, real_step, real_evaluate = [], lopti.train_step, lopti.evaluate
+    monkeypatch.setattr(lopti, "warm_up", lambda *a: calls.append("warm_up"))
+    monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append("step") or real_step(*a, **k))
+
+    def evaluate(model, tokenizer, rows, *args):
+        calls.append(("evaluate", tuple(rows["quiz"])))
+        return real_evaluate(model, tokenizer, rows, *args)
+
+    monkeypatch.setattr(lopti, "evaluate", evaluate)
+    out = tmp_path / "run"
+    lopti.train(tiny_config(tiny_model_dir, out, warmup_steps=1, steps=2))
+    assert [c if isinstance(c, str) else c[0] for c in calls] == ["warm_up", "evaluate", "step", "step", "evaluate"]
+    assert calls[1] == calls[4]  # the same puzzles
+    first, last = [r for r in lopti.read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert first["step"] == 0 and last["step"] == 2
+    assert last["eval/gain"] == pytest.approx(last["eval/accuracy"] - first["eval/accuracy"])
+    assert {"eval/gained", "eval/lost", "eval/gain_p"} <= set(last) and "eval/gain" not in first
 
 
 def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, monkeypatch):
