@@ -1,20 +1,26 @@
-"""The size budgets of the "minimal" issue, reported as numbers so that a failure says how far over each one is.
+"""The size and shape budgets, reported as numbers so that a failure says how far over each one is.
 
-lopti.py's bar was 1,400 lines and 75,000 characters. The file holds every open issue's features (the paired Figure 3
-measurement, the mechanism toy, the warm-up) and dropped the features the issue named; its limits here are its size
-when that landed, so that it cannot grow unnoticed (the cuts considered and rejected are in the closing note)."""
+lopti.py: at most 95,000 characters (the goal is 85,000) with every open issue in it; no line cap, but at most 5 %
+of its lines over 100 columns, and no `noqa` (one operation per line reads without either). The READMEs: 9,000
+and 20,000 characters."""
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMITS = {"lopti.py": (1_520, 95_000), "README.md": (None, 9_000), "toy/README.md": (None, 20_000)}
+MAX_CHARS = {"lopti.py": 95_000, "README.md": 9_000, "toy/README.md": 20_000}
 
 
-def test_files_stay_within_their_size_budgets():
+def test_files_stay_within_their_character_budgets():
     over = []
-    for name, (max_lines, max_chars) in LIMITS.items():
-        text = (ROOT / name).read_text(encoding="utf-8")
-        lines, chars = len(text.splitlines()), len(text.encode("utf-8"))  # bytes, as `wc -c` counts them
-        if (max_lines and lines > max_lines) or chars > max_chars:
-            over.append(f"{name} has {lines:,} lines (limit {max_lines or '-'}) and {chars:,} characters (limit "
-                        f"{max_chars:,})")
+    for name, limit in MAX_CHARS.items():
+        chars = len((ROOT / name).read_text(encoding="utf-8").encode("utf-8"))  # bytes, as `wc -c` counts them
+        if chars > limit:
+            over.append(f"{name} has {chars:,} characters (limit {limit:,})")
     assert not over, "; ".join(over)
+
+
+def test_lopti_py_has_few_wide_lines_and_no_noqa():
+    lines = (ROOT / "lopti.py").read_text(encoding="utf-8").splitlines()
+    wide = [i for i, line in enumerate(lines, 1) if len(line) > 100]
+    share = len(wide) / len(lines)
+    assert share <= 0.05, f"{len(wide)} of {len(lines)} lines ({share:.1%}) are over 100 columns, e.g. {wide[:10]}"
+    assert not [line for line in lines if "noqa" in line], "lopti.py has a noqa"

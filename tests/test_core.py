@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from lopti import group_advantages, lopti_masks, policy_loss, reweight_advantages, token_logprobs
+import lopti
+from lopti import (group_advantages, hidden_logprobs, lopti_masks, policy_loss, reweight_advantages,
+                   token_logprobs)
 
 # ---------------------------------------------------------------- group advantage
 
@@ -71,21 +73,22 @@ def test_token_logprobs_gradient_through_chunks():
     torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-6, rtol=0)
 
 
-def test_token_logprobs_with_a_head_in_chunks_equals_the_full_logits():
-    """With `head`, chunked hidden states (recomputed under autograd) give the full logits' values and gradients."""
+def test_hidden_logprobs_in_chunks_equals_the_full_logits():
+    """hidden_logprobs: chunked hidden states through the head (recomputed under autograd) give the full logits'
+    values and gradients."""
     g = torch.Generator().manual_seed(5)
     head = torch.nn.Linear(6, 23, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.randn(23, 6, generator=g))
     hidden = torch.randn(3, 4, 6, generator=g, requires_grad=True)
     tokens = torch.randint(0, 23, (3, 4), generator=g)
-    token_logprobs(hidden, tokens, 0.7, chunk_elems=2 * 23, head=head).square().sum().backward()
+    hidden_logprobs(hidden, head, tokens, 0.7, chunk_elems=2 * 23).square().sum().backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
     full = token_logprobs(head(hidden), tokens, 0.7)
     full.square().sum().backward()
     with torch.no_grad():
-        torch.testing.assert_close(token_logprobs(hidden, tokens, 0.7, chunk_elems=2 * 23, head=head), full)
+        torch.testing.assert_close(hidden_logprobs(hidden, head, tokens, 0.7, chunk_elems=2 * 23), full)
     torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[1], head.weight.grad, rtol=1e-5, atol=1e-5)  # (fp32 sums in another order)
 
@@ -319,3 +322,24 @@ def test_softmax_gradient_bound_tight_cases(N, zj):
     z[0], z[1] = zj, 0.0
     norm, gap = _grad_norm_and_gap(z, 0)
     assert norm == pytest.approx(math.sqrt(2.0) * gap, rel=1e-9)
+
+
+def test_logit_gradient_bounds_is_the_autograd_norm_between_its_bounds():
+    """logit_gradient_bounds computes ||e_j - pi|| itself: it equals autograd's gradient norm of log pi_j, lies
+    between the bounds, and meets each bound in its tight case."""
+    g = torch.Generator().manual_seed(3)
+    z = 3 * torch.randn(6, 7, dtype=torch.float64, generator=g)
+    tokens = torch.randint(0, 7, (6,), generator=g)
+    lower, norm, upper = lopti.logit_gradient_bounds(z.softmax(-1), tokens)
+    for i in range(6):
+        autograd_norm, gap = _grad_norm_and_gap(z[i], int(tokens[i]))
+        assert norm[i].item() == pytest.approx(autograd_norm, rel=1e-9)
+        assert lower[i].item() == pytest.approx(math.sqrt(7 / 6) * gap, rel=1e-12)
+        assert upper[i].item() == pytest.approx(math.sqrt(2) * gap, rel=1e-12)
+    assert ((lower <= norm) & (norm <= upper)).all()
+    uniform_rest = torch.tensor([[2.0, 0, 0, 0]], dtype=torch.float64)
+    one_rival = torch.tensor([[2.0, 0, -1e4, -1e4]], dtype=torch.float64)
+    lower, norm, _ = lopti.logit_gradient_bounds(uniform_rest.softmax(-1), torch.tensor([0]))
+    assert norm.item() == pytest.approx(lower.item(), rel=1e-12)
+    _, norm, upper = lopti.logit_gradient_bounds(one_rival.softmax(-1), torch.tensor([0]))
+    assert norm.item() == pytest.approx(upper.item(), rel=1e-12)

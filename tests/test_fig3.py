@@ -1,5 +1,5 @@
 """Figure 3 as the official code records it: every training step's own update counted per pi_old bin (update_counts
-in train_step), and `python lopti.py fig3` pooling runs by summing their counts."""
+in train_step), pooled over runs by summing their counts."""
 import copy
 
 import pytest
@@ -110,25 +110,17 @@ def two_runs(tiny_model_dir, tmp_path_factory):
     return out / "s0", out / "s1"
 
 
-def test_fig3_pools_runs_by_summing_their_counts(two_runs, tmp_path, capsys):
-    """`lopti.py fig3 RUN RUN`: one row per method, each step's counts summed over both runs, then the shares by
-    hand: rose / A > 0 tokens, rose / (rose + fell), unmoved / tokens; printed as well as returned."""
+def test_runs_pool_by_summing_their_counts(two_runs):
+    """Two runs' logged steps pool by summing their counts (pool_counts); the shares by hand: rose / A > 0 tokens,
+    rose / (rose + fell), unmoved / tokens."""
     lines = [r for run in two_runs for r in lopti.read_jsonl(run / "metrics.jsonl") if "update/pos_tokens" in r]
     assert len(lines) == 4
     n, rose, fell = ([sum(r[f"update/pos_{k}"][b] for r in lines) for b in range(4)] for k in ("tokens", "rose",
                                                                                                   "fell"))
     assert sum(n) > 0 and sum(rose) > 0
-    div = lambda a, b: [x / y if y else None for x, y in zip(a, b)]  # noqa: E731
-    table = lopti.figure_3(list(two_runs))
-    assert list(table) == ["grpo"]
-    t = table["grpo"]
-    assert t["steps"] == 4 and t["rose"] == div(rose, n)
-    assert t["rose_of_moved"] == div(rose, [a + b for a, b in zip(rose, fell)])
-    assert t["ties"] == div([k - a - b for k, a, b in zip(n, rose, fell)], n)
-    assert lopti.main(["fig3", *map(str, two_runs)]) == 0
-    out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith("grpo:"))
-    assert "rose" in line and "ties" in line
-    for k in ("rose", "rose_of_moved", "ties"):  # each share, in order
-        assert lopti.fmt_list(t[k]) in line, k
-    assert line.index(lopti.fmt_list(t["rose"])) < line.index("ties") < line.index(lopti.fmt_list(t["ties"]))
+    pooled = lopti.pool_counts(lines)
+    assert pooled["update/pos_tokens"] == n and pooled["update/pos_rose"] == rose
+    shares = lopti.figure3_shares(pooled)
+    assert shares["rose"] == [r / k if k else None for r, k in zip(rose, n)]
+    assert shares["rose_of_moved"] == [r / (r + f) if r + f else None for r, f in zip(rose, fell)]
+    assert shares["ties"] == [(k - r - f) / k if k else None for k, r, f in zip(n, rose, fell)]

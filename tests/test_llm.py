@@ -93,9 +93,9 @@ def test_chunked_logprobs_equal_the_full_logits_values_and_gradients(arch, rows_
     a shared prompt."""
     model, tok = load(request.getfixturevalue(arch))
     model.train()
-    V, real = model.get_output_embeddings().out_features, lopti.token_logprobs
+    V, real = model.get_output_embeddings().out_features, lopti.hidden_logprobs
     chunk = V * rows_per_chunk if rows_per_chunk else 2**24
-    monkeypatch.setattr(lopti, "token_logprobs", lambda *a, **k: real(*a, **{**k, "chunk_elems": chunk}))
+    monkeypatch.setattr(lopti, "hidden_logprobs", lambda *a, **k: real(*a, **{**k, "chunk_elems": chunk}))
     completions = torch.randint(3, len(tok), (6, 9), generator=torch.Generator().manual_seed(0))
     weights = torch.randn(6, 9, generator=torch.Generator().manual_seed(1))
     prompts = ["Who is a knight?", "A very special island. Zoey said"]

@@ -2,6 +2,7 @@
 reward, the policy's designed biases, the trajectories with paired probes (Figure 3 paired), run_toy's results and
 the command line. Tiny settings keep the file to a few seconds."""
 import dataclasses
+import math
 import json
 import shutil
 from pathlib import Path
@@ -151,9 +152,12 @@ def test_run_toy_has_every_method(small_run):
         assert set(fig3[key]) == set(TOY_OWN_RUNS) and all(len(v) == 4 for v in fig3[key].values())
     assert set(fig3["paired"]) == set(TOY_PAIRED)
     for m, d in fig3["paired"].items():
-        for delta, ci in zip(d["delta"], d["ci95"]):
-            assert (delta is None) == (ci is None), m
-            assert delta is None or ci[0] - 1e-12 <= delta <= ci[1] + 1e-12, m
+        assert len(d["delta"]) == len(d["p"]) == len(d["resolved"]) == 4, m
+    prop = small_run["prop_4_2"]  # Prop. 4.2 on the first batch's sampled tokens
+    assert prop["tokens"] == SMALL.prompts * SMALL.group * SMALL.length and prop["within"] == prop["tokens"]
+    assert math.sqrt(SMALL.vocab / (SMALL.vocab - 1)) <= prop["norm_over_rest"][0] <= prop["norm_over_rest"][1]
+    assert prop["norm_over_rest"][1] <= math.sqrt(2)
+    assert lopti.toy_checks(small_run)[0].startswith("[yes] Prop. 4.2")
     assert set(small_run["reward"]) == set(TOY_OWN_RUNS) and all(len(v) == SMALL.steps
                                                                 for v in small_run["reward"].values())
     assert sum(small_run["figure1"]["token_share"]) == pytest.approx(1.0)
@@ -198,7 +202,8 @@ def test_only_the_default_run_writes_the_toy_folder(monkeypatch, tmp_path):
     default value, or --quick, goes to runs/toy/ unless --out says otherwise."""
     monkeypatch.chdir(tmp_path)
     seen = []
-    fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}}}
+    fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}},
+            "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]}}
     monkeypatch.setattr(lopti, "run_toy", lambda s: seen.append(s) or json.loads(json.dumps(fake)))
     for argv, folder, settings in ((["--quick"], "runs/toy", ToySettings(**lopti.TOY_QUICK)),
                                    (["--seed", "3"], "runs/toy", ToySettings(seed=3)), ([], "toy", ToySettings()),
