@@ -1,23 +1,23 @@
 """lopti.py: GRPO with Advantage Reweighting and Lopti, in one file.
 
-Reference implementation of "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs" (Yang et al.,
-ICLR 2026, arXiv 2505.12929). Official code: github.com/zhyang2226/AR-Lopti, a fork of verl 0.1.
+Reference implementation of "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs" (Yang
+et al., ICLR 2026, arXiv 2505.12929); official code: github.com/zhyang2226/AR-Lopti (verl 0.1).
 
-    python lopti.py toy                  # Figure 3's mechanism on a toy softmax policy, CPU, seconds
-    python lopti.py train --preset cpu   # GRPO + AR + Lopti on Knights and Knaves with a Hugging Face LM
-    python lopti.py eval | diagnose | plot   # accuracy; Figures 1 and 3 of a model; learning curves
+    python lopti.py toy                 # Figure 3's mechanism on a toy softmax policy, CPU, seconds
+    python lopti.py train --preset cpu  # GRPO + AR + Lopti on Knights and Knaves, a Hugging Face LM
+    python lopti.py eval | diagnose | plot  # accuracy; Figures 1 and 3 of a model; learning curves
 
-The paper in this file:
+The paper in the code:
     GRPO's group advantage and loss        group_advantages, policy_loss
     Eq. 4, Advantage Reweighting           reweight_advantages
     Algorithm 1, Lopti                     lopti_masks, lopti_stages, update_policy
-    Prop. 4.2, gradient norm ~ (1 - pi)    logit_gradient_bounds (the toy checks it)
-    Figure 1, token shares, gradient norms measure_bins (diagnose, the toy)
+    Prop. 4.2, gradient norm ~ 1 - pi      logit_gradient_bounds (the toy checks it)
+    Figure 1, shares and gradient norms    measure_bins (diagnose, the toy)
     Figure 3, A > 0 tokens that rose       update_counts, paired_counts (train, diagnose, the toy)
 
-The first read runs in the paper's order: Config, core maths, the update, Figures 1 and 3, the toy, the
-K&K prompt and reward, then one RL step and the training loop. It ends at the banner "A first read can
-stop here"; the harness follows (grep -n '^# ===' lopti.py lists the sections).
+A first read follows the paper: Config, core maths, the update, Figures 1 and 3, the toy, the K&K
+prompt and reward, one RL step, the training loop. It ends at "A first read can stop here"; the
+harness follows. Sections: grep -n '^# ===' lopti.py.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from typing import Callable
 
 import datasets
 import torch
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
@@ -54,8 +55,7 @@ from tqdm.auto import tqdm
 @dataclass
 class Config:
     """Every field is a flag (--field value); PRESETS change a few. Defaults: the paper's K&K run
-    (Qwen2.5-3B; official scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig keep TRL's
-    spelling."""
+    (Qwen2.5-3B, scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig are TRL's."""
 
     # --- method
     alpha: float = 0.3
@@ -66,14 +66,14 @@ class Config:
     eta: float = 0.5
     """Lopti's threshold: tokens with pi_old < eta go in the low pass (official: seperate_prob)."""
     lopti_order: str = "low_first"
-    """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO in the paper)."""
+    """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO)."""
     # --- PPO / GRPO update
     epsilon: float = 0.2
     """Lower clip range of the ratio."""
     epsilon_high: float = 0.24
     """Upper clip range of the ratio (the official K&K scripts clip asymmetrically)."""
     dual_clip: float = 10.0
-    """Dual-clip constant for negative advantages (official code's clip_ratio_c; not in the paper)."""
+    """Dual-clip constant for A < 0 (the official code's clip_ratio_c; not in the paper)."""
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
@@ -85,11 +85,11 @@ class Config:
     max_grad_norm: float = 1.0
     """Global gradient-norm clip per optimiser step."""
     mini_batch_size: int = 256
-    """Responses per optimiser step (paper: 512 responses per RL step, 2 optimiser steps per pass)."""
+    """Responses per optimiser step (paper: 512 per RL step, 2 optimiser steps per pass)."""
     micro_batch_size: int = 4
     """Responses per forward/backward; gradients accumulate over a mini-batch."""
     num_iterations: int = 1
-    """PPO epochs over the rollout batch in each update pass (paper: 1)."""
+    """PPO epochs over the rollout in each update pass (paper: 1)."""
     # --- rollout
     model: str = "Qwen/Qwen2.5-3B-Instruct"
     """Hub id or local folder of a causal LM with a chat template."""
@@ -98,25 +98,23 @@ class Config:
     num_generations: int = 8
     """Group size G: samples per prompt."""
     temperature: float = 0.7
-    """Sampling temperature T. Every log-prob (current, old, reference) is of logits / T, as the official
-    actor's: scoring softmax(z) while sampling softmax(z / T) would make the first ratio != 1 and move
-    Lopti's split."""
+    """Sampling temperature T. Every log-prob (current, old, reference) is of logits / T, as the
+    official actor's; else the first ratio is not 1 and Lopti's split moves."""
     max_completion_length: int = 4096
     """Longest completion, in tokens."""
     generation_batch_size: int = 0
     """Sequences per generate() call (0: all at once); smaller bounds the KV cache's memory."""
     stop_at_answer: bool = False
-    """End completions at their first '</answer>', as many K&K reproductions do (the paper's end at EOS)."""
+    """End completions at their first '</answer>' (the paper's end at EOS)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the update's forward passes."""
     # --- task, warm-up and schedule
     warmup_steps: int = 0
-    """Supervised steps on the solver's own case analysis before RL (kk_case_analysis; 0: none, the
-    paper's)."""
+    """Supervised steps on the solver's case analysis before RL (kk_case_analysis; the paper: 0)."""
     warmup_learning_rate: float = 2e-5
     """The warm-up's constant learning rate (AdamW, whatever `optimizer` says)."""
     train_data: str = "generate"
-    """'generate' (fresh puzzles; the official run: Logic-RL's 3-7 people files), a file or a hub dataset."""
+    """'generate' (fresh puzzles; the official run: Logic-RL's files), a file or a hub dataset."""
     num_people: str = "3-7"
     """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
     num_train: int = 4480
@@ -124,9 +122,9 @@ class Config:
     steps: int = 350
     """RL steps (paper: 5 data epochs)."""
     eval_data: str = "generate"
-    """'generate' (puzzles from a seed disjoint from training's) or a file / hub dataset."""
+    """'generate' (from a seed disjoint from training's) or a file / hub dataset."""
     eval_size: int = 20
-    """Generated evaluation puzzles per number of people (official: 100 per size, Logic-RL's files)."""
+    """Generated evaluation puzzles per number of people (official: 100 per size)."""
     eval_every: int = 50
     """Evaluate every this many steps; always at step 0 (after the warm-up) and at the end."""
     eval_batch_size: int = 32
@@ -134,15 +132,14 @@ class Config:
     save_every: int = 50
     """Checkpoint every this many steps (and at the end, and on Ctrl-C or SIGTERM)."""
     measure_update: bool = True
-    """Log Figure 3 of every step's own update (update_counts: one no-grad forward after it, two fp32
-    ones under bf16)."""
+    """Log Figure 3 of each step's own update (one more no-grad forward; two in fp32 under bf16)."""
     output_dir: str = "runs/lopti"
     """The run's folder: config.json, metrics.jsonl, samples.jsonl, checkpoint-STEP/."""
     seed: int = 0
     """Seeds data order, sampling and generated puzzles."""
 
     def __post_init__(self):
-        """Every value is checked here, before anything loads; main prints the error's one line."""
+        """Every value is checked before anything loads; main prints the error's one line."""
         for f in fields(self):
             if isinstance(getattr(self, f.name), float):
                 self._require(f.name, math.isfinite(getattr(self, f.name)), "a finite number")
@@ -163,10 +160,9 @@ class Config:
         self._require("optimizer", self.optimizer in ("adamw", "sgd"), "adamw or sgd")
         rollout_size = self.prompts_per_step * self.num_generations
         mini = self.mini_batch_size
-        splits = mini > 0 and rollout_size % mini == 0 and mini % self.micro_batch_size == 0
-        self._require("mini_batch_size", splits,
-                      f"a divisor of prompts_per_step * num_generations ({rollout_size}), "
-                      "x micro_batch_size")
+        divides = mini > 0 and rollout_size % mini == 0 and mini % self.micro_batch_size == 0
+        allowed = f"a divisor of prompts_per_step * num_generations ({rollout_size}), x micro size"
+        self._require("mini_batch_size", divides, allowed)
 
     def _require(self, name: str, ok: bool, allowed: str) -> None:
         if not ok:
@@ -181,27 +177,27 @@ def people_range(spec: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-# ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split, Prop. 4.2, the loss ======
-# Pure tensor functions that never mutate their inputs: copy one into another trainer, with its test.
+# ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split, Prop. 4.2, loss ======
+# Pure tensor functions that never mutate their inputs: copy one into another trainer, with its
+# test.
 
 
-def broadcast_to_tokens(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Per-response advantages (B,) repeated over each response's tokens, as `like` (B, T), in fp32;
-    per-token advantages (B, T) as they are."""
+def broadcast_to_tokens(advantages: Tensor, like: Tensor) -> Tensor:
+    """(B,) advantages repeated over each response's tokens, in fp32, as `like` (B, T)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B, 1)
     return advantages.float().expand(like.shape)  # (B, T)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
     """GRPO's outcome advantage, one per response (official: compute_grpo_outcome_advantage):
 
-        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        std: unbiased, as the official code's
+        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)    std unbiased (the official code's)
 
-    `rewards` (B,): each prompt's G responses in consecutive rows. Equal rewards give A = 0 (not 0/eps
-    noise); a group of one gets mean 0, std 1, as in the official code.
+    `rewards` (B,): each prompt's G responses in consecutive rows. Equal rewards give A = 0, not
+    0/eps noise; a group of one gets mean 0, std 1, as in the official code.
     Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
-    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "rewards must be (B,), B a multiple of G"
+    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "(B,), B a multiple of G"
     grouped = rewards.float().view(-1, group_size)  # (P, G)
     if group_size == 1:
         return (grouped / (1.0 + eps)).view(-1)
@@ -213,8 +209,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return advantages.view(-1)  # (B,)
 
 
-def _chunk_logprobs(x: torch.Tensor, tokens: torch.Tensor, temperature: float, head) -> torch.Tensor:
-    """log softmax(z / T)[o] of one chunk: logits x (n, V), or z = head(x) for hidden states x (n, H)."""
+def _chunk_logprobs(x: Tensor, tokens: Tensor, temperature: float, head) -> Tensor:
+    """log softmax(z / T)[o] for one chunk of logits x (n, V), or of z = head(x)."""
     logits = x if head is None else head(x)
     z = logits.float() / temperature  # (n, V)
     top = z.detach().amax(-1, keepdim=True)  # (n, 1): a constant shift, whose gradient would cancel
@@ -223,8 +219,7 @@ def _chunk_logprobs(x: torch.Tensor, tokens: torch.Tensor, temperature: float, h
     return (chosen - log_sum).float()  # (n,)
 
 
-def _logprobs_in_chunks(x: torch.Tensor, tokens: torch.Tensor, temperature: float, head,
-                        chunk_elems: int) -> torch.Tensor:
+def _logprobs_in_chunks(x: Tensor, tokens: Tensor, temperature: float, head, chunk_elems: int):
     vocab = x.shape[-1] if head is None else head.out_features
     rows = max(1, chunk_elems // vocab)  # rows of ~chunk_elems logits
     flat_x = x.reshape(-1, x.shape[-1])  # (B*T, V or H)
@@ -242,41 +237,39 @@ def _logprobs_in_chunks(x: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(chunks).view(tokens.shape)  # (B, T)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                   chunk_elems: int = 2**24) -> torch.Tensor:
-    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in chunks
-    of ~chunk_elems logits. The softmax's sum is taken in fp64: near pi = 1 it is 1 + a tiny rest, which
-    fp32 rounds in steps of 6e-8, so that an update's change to such a token would read as none (Figure
-    3's ties)."""
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
+                   chunk_elems: int = 2**24) -> Tensor:
+    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in
+    chunks of ~chunk_elems logits. The softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest,
+    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none."""
     return _logprobs_in_chunks(logits, tokens, temperature, None, chunk_elems)
 
 
-def hidden_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
-                    temperature: float = 1.0, chunk_elems: int = 2**24) -> torch.Tensor:
-    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer `head`.
-    The (B, T, V) logits never exist whole: each chunk's are made, used and, under autograd, recomputed
-    in the backward pass instead of stored."""
+def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
+                    chunk_elems: int = 2**24) -> Tensor:
+    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer:
+    the (B, T, V) logits never exist whole, and autograd recomputes each chunk's instead of storing
+    them."""
     return _logprobs_in_chunks(hidden, tokens, temperature, head, chunk_elems)
 
 
-def reweight_advantages(advantages: torch.Tensor, old_logprobs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Advantage Reweighting, Eq. 4, for (B,) or (B, T) advantages and (B, T) log pi_old at the sampling
-    temperature:
+def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) -> Tensor:
+    """Advantage Reweighting, Eq. 4, for (B,) or (B, T) advantages and (B, T) log pi_old at the
+    sampling temperature:
 
         A_{i,t} <- (alpha * pi_old(o_{i,t}) + 1 - alpha) * A_{i,t}
 
-    The weight is a constant (no gradient), for positive and negative advantages alike; alpha = 0 is
-    GRPO. (The official config's neg_adv_weight, default 0.8, would also scale negative advantages; its
-    K&K scripts pass 1.0, as here.)"""
+    A constant weight, for positive and negative advantages alike; alpha = 0 is GRPO. (The official
+    config's neg_adv_weight, default 0.8, also scales A < 0; its K&K scripts pass 1.0, as here.)"""
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
     weight = alpha * pi_old + 1 - alpha  # (B, T)
     return weight * broadcast_to_tokens(advantages, old_logprobs)  # (B, T)
 
 
-def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest; two (B, T)
-    masks that partition `mask`, made once per RL step for both stages. (The official seperate_prob = 0
-    switches to a quantile split, which its scripts never use.)
+def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
+    """Lopti's split of the response tokens (Algorithm 1), made once per RL step for both stages:
+    low = pi_old < eta, high = the rest, two (B, T) masks. (The official seperate_prob = 0 switches
+    to a quantile split, which its scripts never use.)
     Example, eta = 0.5: exp(old_logprobs) [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]]
         -> low [[F, T, F, F]], high [[T, F, T, F]]"""
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
@@ -286,33 +279,31 @@ def lopti_masks(old_logprobs: torch.Tensor, mask: torch.Tensor, eta: float) -> t
     return low, high
 
 
-def logit_gradient_bounds(probs: torch.Tensor, tokens: torch.Tensor):
-    """Prop. 4.2 at the logits z: the gradient of a sampled token's log-prob is d log pi_j / dz = e_j - pi,
-    and its norm is pinned by the token's own probability:
+def logit_gradient_bounds(probs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Prop. 4.2 at the logits: a sampled token's gradient d log pi_j / dz = e_j - pi has a norm
+    pinned by its probability,
 
-        sqrt(N / (N - 1)) * (1 - pi_j)  <=  ||e_j - pi||  <=  sqrt(2) * (1 - pi_j)       N: the vocabulary
+        sqrt(N / (N - 1)) * (1 - pi_j)  <=  ||e_j - pi||  <=  sqrt(2) * (1 - pi_j)     N: vocabulary
 
-    Equality on the left when the other tokens share the rest evenly, on the right when one rival holds
-    it. Through a network whose layers' Jacobians have singular values in [c_l, d_l], the proposition
-    scales both bounds by the products of c_l and d_l: rare tokens push hardest. For probs (..., N) and
-    tokens (...), returns (lower, norm, upper), each (...); 1 - pi_j is the other tokens' sum, which
-    keeps its precision near pi_j = 1."""
+    with equality on the left when the rest is spread evenly, on the right when one rival holds it.
+    Through layers whose Jacobians' singular values lie in [c_l, d_l] the bounds scale by their
+    products: rare tokens push hardest. Of probs (..., N) and tokens (...): (lower, norm, upper)."""
     vocab = probs.shape[-1]
     one_hot = torch.nn.functional.one_hot(tokens, vocab).to(probs.dtype)  # (..., N)
     norm = (one_hot - probs).norm(dim=-1)  # (...)
-    rest = (probs * (1 - one_hot)).sum(-1)  # (...): 1 - pi_j
+    rest = (probs * (1 - one_hot)).sum(-1)  # (...): 1 - pi_j, precise near pi_j = 1
     lower = math.sqrt(vocab / (vocab - 1)) * rest  # (...)
     upper = math.sqrt(2) * rest  # (...)
     return lower, norm, upper
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, epsilon: float = 0.2, epsilon_high: float = 0.24,
-                dual_clip: float = 10.0, ref_logprobs: torch.Tensor | None = None, beta: float = 0.0,
-                kl_mask: torch.Tensor | None = None,
-                num_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official: core_algos.py); and
-    the counts of clipped tokens, the KL's sum and the token counts behind them:
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                mask: Tensor, *, epsilon: float = 0.2, epsilon_high: float = 0.24,
+                dual_clip: float = 10.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
+                kl_mask: Tensor | None = None,
+                num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official:
+    core_algos.py); and the counts of clipped tokens, the KL's sum and the token counts behind them:
 
         ratio = exp(logp - old_logp)
         pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
@@ -320,11 +311,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
         loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
 
-    (B, T) inputs (`advantages` may be (B,)). num_tokens: the whole mini-batch's count for a micro-batch
-    (so that accumulation is exact), and in a Lopti stage too: stages are not renormalised, so they add
-    up to GRPO. The dual clip, `kl_mask` per stage, the token-mean (the paper averages each response with
-    1/|o_i| first) and the shared denominator follow the official code; the paper's text has none of
-    them. (Under FSDP the official token-mean is also averaged across ranks; this is one process.)"""
+    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count for each of its
+    micro-batches (exact accumulation), and in a Lopti stage too: stages are not renormalised, so
+    they add up to GRPO. The dual clip, `kl_mask` per stage, the token-mean (the paper averages each
+    response first) and the shared denominator follow the official code, not the paper's text.
+    (Under FSDP the official token-mean is also averaged across ranks; this is one process.)"""
     assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
     adv = broadcast_to_tokens(advantages, logprobs)  # (B, T)
     mask = mask.bool()  # (B, T)
@@ -332,8 +323,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if num_tokens is None:
         num_tokens = mask.sum()
     denom = torch.as_tensor(num_tokens).clamp(min=1)
-    # The ratio: 0 on padding before exp (no NaN gradient); the clamp is upstream verl's (the fork's has
-    # none), as exp overflows
+    # The ratio: 0 on padding before exp (no NaN gradient); the clamp is upstream verl's (the fork's
+    # has none), as exp overflows
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # (B, T)
     ratio = log_ratio.clamp(-20, 20).exp()  # (B, T)
     # The clipped surrogate, then the dual clip on A < 0
@@ -364,24 +355,25 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW as the official scripts train (betas 0.9/0.999, constant lr), or SGD: p <- p - lr * g.
-    (verl 0.1's constant schedule gives a run's first update_actor call a learning rate of 0, under
-    Lopti the low pass of RL step 1; here every step has cfg.learning_rate.)"""
+    (verl 0.1's constant schedule gives a run's first update_actor call, under Lopti the low pass of
+    step 1, a learning rate of 0; here every pass has cfg.learning_rate.)"""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    params = model.parameters()
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                              fused=True)
 
 
-def rows_with_gradient(advantages: torch.Tensor, beta: float) -> torch.Tensor:
-    """(B,) bool: rows with a non-zero advantage, or all when beta > 0 (the KL term). The rest have no
-    gradient: they need no pi_old, no forward and no backward."""
+def rows_with_gradient(advantages: Tensor, beta: float) -> Tensor:
+    """(B,) bool: rows with a non-zero advantage, or all when beta > 0 (the KL term). The rest have
+    no gradient, so they need no pi_old, no forward and no backward."""
     nonzero = (advantages != 0).view(len(advantages), -1).any(1)  # (B,)
     return nonzero | (beta > 0)
 
 
-def lopti_stages(cfg: Config, mask: torch.Tensor, old_logprobs: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The update's passes and each one's tokens (B, T): GRPO makes one pass over every response token;
-    Lopti two, the low-probability tokens first (Algorithm 1), or the high ones first (the ablation)."""
+def lopti_stages(cfg: Config, mask: Tensor, old_logprobs: Tensor) -> list[tuple[str, Tensor]]:
+    """The update's passes and their tokens (B, T): GRPO's one, over every response token; Lopti's
+    two, low-probability tokens first (Algorithm 1), or high first (the ablation)."""
     if not cfg.lopti:
         return [("all", mask)]
     low, high = lopti_masks(old_logprobs, mask, cfg.eta)
@@ -391,34 +383,34 @@ def lopti_stages(cfg: Config, mask: torch.Tensor, old_logprobs: torch.Tensor) ->
     return stages
 
 
-def update_policy(cfg: Config, logprob_fn: Callable[[dict], torch.Tensor], optimizer: torch.optim.Optimizer,
-                  batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One RL step's update: AR (Eq. 4), then one GRPO pass or Lopti's two complete passes (Algorithm 1).
-    `batch`: (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and what
-    `logprob_fn(micro)` needs to return the current (b, T) log-probs with gradients. Returns each pass's
-    metrics."""
+def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, batch: dict):
+    """One RL step's update: AR (Eq. 4), then GRPO's pass or Lopti's two (Algorithm 1). `batch`:
+    (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and what
+    `logprob_fn(micro)` needs to return the current (b, T) log-probs with gradients."""
     mask = batch["mask"].bool()  # (B, T)
     # Eq. 4 first: Lopti splits the reweighted advantages
-    advantages = reweight_advantages(batch["advantages"], batch["old_logprobs"], cfg.alpha)  # (B, T)
-    # Tokens of rows with a gradient; the others' rows are never computed
+    old_logprobs = batch["old_logprobs"]  # (B, T)
+    advantages = reweight_advantages(batch["advantages"], old_logprobs, cfg.alpha)  # (B, T)
+    # the tokens of rows with a gradient; other rows are never computed
     has_gradient = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T)
     metrics = {}
-    # Algorithm 1. Stage 1: the low-probability tokens (pi_old < eta) get a complete update pass. Stage 2:
-    # the rest get one, from stage 1's weights and optimiser state, with the same pi_old and split.
-    # Without Lopti: one pass over every token.
-    for name, stage_mask in lopti_stages(cfg, mask, batch["old_logprobs"]):
+    # Algorithm 1. Stage 1: the low-probability tokens (pi_old < eta) get a complete update pass.
+    # Stage 2: the rest get one, from stage 1's weights and optimiser state, with the same pi_old
+    # and split. Without Lopti: one pass over every token.
+    for name, stage_mask in lopti_stages(cfg, mask, old_logprobs):
         stage_advantages = advantages * stage_mask  # (B, T): 0 outside this stage
-        metrics.update(update_pass(cfg, name, logprob_fn, optimizer, batch, stage_advantages, stage_mask,
-                                   has_gradient))
+        pass_metrics = update_pass(cfg, name, logprob_fn, optimizer, batch, stage_advantages,
+                                   stage_mask, has_gradient)
+        metrics.update(pass_metrics)
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return metrics
 
 
-def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer: torch.optim.Optimizer, batch: dict,
-                advantages: torch.Tensor, stage_mask: torch.Tensor, has_gradient: torch.Tensor) -> dict:
-    """One complete pass over the rollout, num_iterations times: an optimiser step per mini-batch, its
-    micro-batches' gradients accumulated. Only rows with a token of this stage that has a gradient are
-    computed; the rest still count in the token-mean's denominator."""
+def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: dict,
+                advantages: Tensor, stage_mask: Tensor, has_gradient: Tensor) -> dict:
+    """A complete pass over the rollout, num_iterations times: an optimiser step per mini-batch, its
+    micro-batches' gradients accumulated. Rows without a gradient in this stage are not computed but
+    count in the token-mean's denominator."""
     t0 = time.perf_counter()
     mask = batch["mask"].bool()  # (B, T)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -430,7 +422,7 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer: torch.o
             mini_batch = torch.arange(start, min(start + cfg.mini_batch_size, len(mask)))
             computed = mini_batch[rows_in_pass[mini_batch]]
             if len(computed) == 0:
-                continue  # ours: no gradient, no step (the official code steps, and AdamW still moves)
+                continue  # ours: no gradient, no step (the official code steps; AdamW still moves)
             # The token-mean's denominator: every response token of the mini-batch, in both stages
             # (ours: the official code averages each micro-batch, then divides by their number)
             num_tokens = mask[mini_batch].sum()
@@ -442,14 +434,14 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer: torch.o
                 loss, stats = policy_loss(
                     logprobs, micro_batch["old_logprobs"], advantages[micro], mask[micro],
                     epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip,
-                    ref_logprobs=micro_batch.get("ref_logprobs"), beta=cfg.beta, kl_mask=stage_mask[micro],
-                    num_tokens=num_tokens)
+                    ref_logprobs=micro_batch.get("ref_logprobs"), beta=cfg.beta,
+                    kl_mask=stage_mask[micro], num_tokens=num_tokens)
                 loss.backward()
                 loss_sum += loss.detach()
                 totals.update(stats)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             if not math.isfinite(grad_norm):
-                continue  # ours: a NaN or inf step would corrupt the weights for good (official: steps)
+                continue  # ours: a NaN or inf step would corrupt the weights (official: steps)
             optimizer.step()
             grad_norms.append(grad_norm)
             losses.append(loss_sum)  # (a tensor: read once, after the pass)
@@ -463,35 +455,30 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer: torch.o
 
 
 def divide(total, count) -> float:
-    """total / count as a float (of tensors or numbers); 0 when count is 0."""
+    """total / count as a float; 0 when count is 0."""
     return float(total) / max(float(count), 1.0)
 
 
 # ====== Figures 1 and 3, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
-# Figure 1 (measure_bins): each bin's share of the tokens and the norm of its gradient. Figure 3
-# (update_counts): after an update, the share of A > 0 tokens whose probability rose, of every step's own
-# update, and paired: every method's update from one state and batch (paired_counts).
+# Figure 1 (measure_bins): each bin's share of the tokens and its gradient's norm. Figure 3
+# (update_counts): after an update, the share of A > 0 tokens whose probability rose; paired: every
+# method's update from one state and batch (paired_counts).
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
-PAPER_FIGURES = {  # the paper's K&K runs (Qwen2.5-7B-Instruct-1M): Figure 1 (a) and (d) of GRPO, Figure 3
-    "token_share": [0.1922, 0.1015, 0.1009, 0.6054],
-    "grad_norm": {"bins": [0.71, 0.36, 0.24, 0.15], "all": 0.82},
-    "pos_rose": {"grpo": [0.530, 0.514, 0.501, 0.497], "ar": [0.520, 0.525, 0.530, 0.526],
-                 "lopti": [0.524, 0.517, 0.512, 0.534]}}
-UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")  # 4 bins each
+UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")
 METHODS = {
     "grpo": dict(alpha=0.0, lopti=False),
     "ar": dict(lopti=False),
     "lopti": dict(alpha=0.0, lopti=True),
     "ar_lopti": dict(lopti=True),
-    "grpo_2_epochs": dict(alpha=0.0, lopti=False),  # as many passes as Lopti: the compute-matched control
-    "lopti_high_first": dict(alpha=0.0, lopti=True, lopti_order="high_first"),  # the paper's ablation
+    "grpo_2_epochs": dict(alpha=0.0, lopti=False),  # Lopti's number of passes: compute-matched
+    "lopti_high_first": dict(alpha=0.0, lopti=True, lopti_order="high_first"),  # the ablation
 }
 
 
 def method_config(cfg: Config, method: str) -> Config:
-    """`cfg` switched to one of METHODS. AR and AR+Lopti keep cfg's alpha; from a GRPO config (alpha 0)
-    they take the paper's, 0.3."""
+    """`cfg` switched to one of METHODS. AR keeps cfg's alpha, or takes the paper's 0.3 if cfg is
+    GRPO's (alpha 0)."""
     changes = {"lopti_order": "low_first", **METHODS[method]}
     if method in ("ar", "ar_lopti"):
         changes["alpha"] = cfg.alpha if cfg.alpha > 0 else Config.alpha
@@ -512,20 +499,19 @@ def method_name(cfg: dict) -> str:
     return name
 
 
-def bin_masks(old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def bin_masks(old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """(4, B, T) bool: the response tokens of each pi_old bin."""
     edges = torch.tensor([0.25, 0.5, 0.75], device=mask.device)
     bins = torch.bucketize(old_logprobs.float().exp(), edges)  # (B, T): 0..3
     return torch.stack([(bins == b) & mask.bool() for b in range(4)])
 
 
-def update_counts(before: torch.Tensor, after: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  old_logprobs: torch.Tensor | None = None) -> dict[str, list[int]]:
-    """Figure 3 per bin: the A > 0 tokens (A before AR) and how many rose or fell from `before` to
-    `after` (one pass's log-probs, so that an unmoved token compares equal), and the A < 0 tokens and how
-    many fell or rose; the rest are ties. Bins by `old_logprobs` (default: `before`). Counts pool by
-    summing. (The official code saves the probabilities before and after a step in bf16,
-    verl/trainer/ppo/ray_trainer.py's "prob_stat", and counts its ratios from those.)"""
+def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tensor,
+                  old_logprobs: Tensor | None = None) -> dict[str, list[int]]:
+    """Figure 3 per bin of `old_logprobs` (default `before`): the A > 0 tokens (A before AR) and how
+    many rose or fell from `before` to `after` (one pass's log-probs, so an unmoved token compares
+    equal), the A < 0 tokens and how many fell or rose; the rest tied. Counts pool by summing. (The
+    official code counts from bf16 probabilities, ray_trainer.py's "prob_stat".)"""
     if old_logprobs is None:
         old_logprobs = before
     bins = bin_masks(old_logprobs, mask)  # (4, B, T)
@@ -555,17 +541,17 @@ def per_bin(counts: list, totals: list) -> list:
 
 
 def figure3_shares(counts: dict) -> dict[str, list]:
-    """Per bin: the share of A > 0 tokens that rose (Figure 3), that share among those that moved, and the
-    ties' share."""
+    """Per bin: the share of A > 0 tokens that rose (Figure 3), of the moved ones, and that tied."""
     tokens = counts["update/pos_tokens"]
     rose = counts["update/pos_rose"]
     moved = [r + f for r, f in zip(rose, counts["update/pos_fell"])]
     tied = [n - m for n, m in zip(tokens, moved)]
-    return {"rose": per_bin(rose, tokens), "rose_of_moved": per_bin(rose, moved), "ties": per_bin(tied, tokens)}
+    return {"rose": per_bin(rose, tokens), "rose_of_moved": per_bin(rose, moved),
+            "ties": per_bin(tied, tokens)}
 
 
 def copy_to_cpu(state):
-    """A deep copy whose tensors are on the CPU (the GPU holds one model and optimiser state, not two)."""
+    """A deep copy with its tensors on the CPU: the GPU holds one model and optimiser state."""
     if torch.is_tensor(state):
         return state.to("cpu", copy=True)
     if isinstance(state, dict):
@@ -575,22 +561,22 @@ def copy_to_cpu(state):
     return copy.deepcopy(state)
 
 
-def paired_counts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, logprob_fn: Callable,
-                  batch: dict, measure: Callable[[], torch.Tensor], before: torch.Tensor,
-                  methods) -> dict[str, dict]:
+def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: dict,
+                  measure: Callable[[], Tensor], before: Tensor, methods) -> dict[str, dict]:
     """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch,
-    counted against `before` by `measure()` (the same pass), then undone bit for bit. A difference between
-    methods is then theirs, not their batches' or trajectories'."""
+    counted against `before` by `measure()`, then undone bit for bit: a difference between methods
+    is theirs, not their batches' or trajectories'."""
     weights = copy_to_cpu(model.state_dict())
     optimizer_state = copy_to_cpu(optimizer.state_dict())
     counts = {}
     for method in methods:
         update_policy(method_config(cfg, method), logprob_fn, optimizer, batch)
         after = measure()
-        counts[method] = update_counts(before, after, batch["advantages"], batch["mask"], batch["old_logprobs"])
+        counts[method] = update_counts(before, after, batch["advantages"], batch["mask"],
+                                       batch["old_logprobs"])
         model.train()  # (measure() left it in eval mode)
         model.load_state_dict(weights)
-        optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # (it keeps the tensors it is given)
+        optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # (it keeps the tensors given)
     return counts
 
 
@@ -599,10 +585,10 @@ def global_norm(tensors) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
-def measure_bins(micro_batch_size: int, model: torch.nn.Module, logprob_fn: Callable, batch: dict) -> dict:
-    """Figure 1 (a) and (d) on one batch: per bin, the share of the tokens of rows with A != 0, and the norm
-    of GRPO's gradient at ratio 1 (pi_old from this forward) with only that bin's advantages kept. At ratio
-    1 the loss is linear in A, so the bins' gradients add up to the all-token one ("all")."""
+def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict) -> dict:
+    """Figure 1 (a) and (d) on one batch: per bin, its share of the tokens of rows with A != 0, and
+    the norm of GRPO's gradient at ratio 1 with only its advantages kept. At ratio 1 the loss is
+    linear in A: the bins' gradients add up to the all-token one ("all")."""
     params = [p for p in model.parameters() if p.requires_grad]
     mask = batch["mask"].bool()  # (B, T)
     bins = bin_masks(batch["old_logprobs"], mask)  # (4, B, T)
@@ -614,10 +600,11 @@ def measure_bins(micro_batch_size: int, model: torch.nn.Module, logprob_fn: Call
         logprobs = logprob_fn(micro_batch)  # (b, T)
         advantages = broadcast_to_tokens(micro_batch["advantages"], logprobs)  # (b, T)
         for b, bin_mask in enumerate(bins):
-            loss, _ = policy_loss(logprobs, logprobs.detach(), advantages * bin_mask[micro], mask[micro],
+            bin_advantages = advantages * bin_mask[micro]  # (b, T)
+            loss, _ = policy_loss(logprobs, logprobs.detach(), bin_advantages, mask[micro],
                                   num_tokens=num_tokens)
-            more_bins = b < len(bins) - 1  # they backpropagate through the same forward
-            bin_grads = torch.autograd.grad(loss, params, retain_graph=more_bins, materialize_grads=True)
+            keep = b < len(bins) - 1  # the next bins backpropagate through the same forward
+            bin_grads = torch.autograd.grad(loss, params, retain_graph=keep, materialize_grads=True)
             for total, grad in zip(grads[b], bin_grads):
                 total += grad
     # the other rows may have no pi_old
@@ -631,27 +618,27 @@ def measure_bins(micro_batch_size: int, model: torch.nn.Module, logprob_fn: Call
             "grad_norm": {"bins": [global_norm(g) for g in grads], "all": global_norm(all_tokens)}}
 
 
-def split_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices in chunks of `size`; none for no rows (torch's split would give one empty chunk)."""
+def split_rows(rows: Tensor, size: int) -> list[Tensor]:
+    """Row indices in chunks of `size`; none for no rows (torch.split gives one empty chunk)."""
     if len(rows) == 0:
         return []
     return list(rows.split(size))
 
 
 # ====== Toy: Figure 3's mechanism on a linear softmax policy ======
-# logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every context as
-# an LLM's output layer is; x_t, a fixed random recurrent feature of the history (prefixes rarely
-# repeat); b_t, a fixed bias s in [4, 11] on a bigram token, which makes sampled tokens' probabilities
-# U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all equal the prompt's target,
-# there the *second* most likely token); the rest are "format" tokens, alike in right and wrong
-# responses. As ||x_t|| = 1, a token's gradient on W has the norm ||e_j - pi||: Prop. 4.2 with one
-# layer. Design and prediction: toy/README.md.
+# logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every
+# context, as an LLM's output layer is; x_t is a fixed random recurrent feature of the history
+# (prefixes rarely repeat); b_t a fixed bias s in [4, 11] on a bigram token, which makes sampled
+# tokens' probabilities U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all
+# equal the prompt's target, there the second most likely token); the rest are "format" tokens,
+# alike in right and wrong responses. As ||x_t|| = 1, a token's gradient on W has norm ||e_j - pi||:
+# Prop. 4.2 with one layer. Design and prediction: toy/README.md.
 
 
 @dataclass(frozen=True)
 class ToySettings:
     seed: int = 0  # run i of `seeds` has its own random task and samples: seed + i
-    seeds: int = 8  # trajectories per method (a sign-flip test over 8 can reach p < 0.05; over 5 it cannot)
+    seeds: int = 8  # trajectories per method (a sign-flip test reaches p < 0.05 over 8, not over 5)
     steps: int = 10  # RL steps per trajectory
     optimizer: str = "adamw"  # or "sgd"
     learning_rate: float = 1e-2
@@ -668,7 +655,8 @@ class ToySettings:
     def __post_init__(self):  # a bad --setting is one line (main)
         checks = (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("vocab", self.vocab >= 2),
                   ("dim", self.dim >= 1), ("prompts", self.prompts >= 1), ("group", self.group >= 2),
-                  ("decisions", 1 <= self.decisions <= self.length), ("target_gap", self.target_gap >= 0))
+                  ("decisions", 1 <= self.decisions <= self.length),
+                  ("target_gap", self.target_gap >= 0))
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
@@ -676,30 +664,29 @@ class ToySettings:
 
 TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
 TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
-TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # probed along GRPO's
+TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # along GRPO's
 
 
 class ToyPolicy(torch.nn.Module):
-    """Only W is trained: a rollout's contexts and biases are computed once (sample), a pass is one
-    matmul."""
+    """Only W is trained: a rollout's contexts and biases are fixed (sample), a pass is a matmul."""
 
     def __init__(self, s: ToySettings, seed: int):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.W = torch.nn.Parameter(torch.randn(s.vocab, s.dim, generator=g))
-        self.A = torch.linalg.qr(torch.randn(s.dim, s.dim, generator=g))[0] * 0.5  # the context's recurrence
-        self.F = torch.randn(s.vocab, s.dim, generator=g)  # fixed input features of tokens (and prompts)
-        self.bigram = torch.randint(s.vocab, (s.vocab,), generator=g)  # each token's likely successor
+        self.A = torch.linalg.qr(torch.randn(s.dim, s.dim, generator=g))[0] * 0.5  # the recurrence
+        self.F = torch.randn(s.vocab, s.dim, generator=g)  # fixed features of tokens (and prompts)
+        self.bigram = torch.randint(s.vocab, (s.vocab,), generator=g)  # each token's likely next
         self.strength = 4 + 7 * torch.rand(s.vocab, generator=g)  # and the bias it gets
-        self.target = torch.randint(s.vocab, (s.prompts, s.decisions), generator=g)  # each prompt's answer
+        self.target = torch.randint(s.vocab, (s.prompts, s.decisions), generator=g)  # the answers
         self.s = s
 
-    def forward(self, x: torch.Tensor, bias_at: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) from contexts x (B, T, d) and the fixed biases: values `bias` at ids `bias_at`."""
+    def forward(self, x: Tensor, bias_at: Tensor, bias: Tensor) -> Tensor:
+        """Logits (B, T, V) from contexts x (B, T, d), plus the biases `bias` at ids `bias_at`."""
         return (x @ self.W.T).scatter_add(-1, bias_at, bias)
 
     @torch.no_grad()
-    def sample(self, prompts: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def sample(self, prompts: Tensor, gen: torch.Generator) -> dict[str, Tensor]:
         """Responses (B, T) to `prompts` (B,), with their contexts and biases."""
         x = torch.zeros(len(prompts), self.s.dim)  # (B, d)
         prev = prompts  # (B,)
@@ -709,26 +696,25 @@ class ToyPolicy(torch.nn.Module):
             x = x / x.norm(dim=-1, keepdim=True)  # (B, d)
             target = self.target[prompts, min(t, self.s.decisions - 1)]  # (B,)
             bias_at = torch.stack([self.bigram[prev], target], 1)  # (B, 2)
-            gap = self.s.target_gap if t < self.s.decisions else math.inf  # a target only where it decides
+            gap = self.s.target_gap if t < self.s.decisions else math.inf  # no target past them
             target_bias = (self.strength[prev] - gap).clamp(min=0)  # (B,)
             bias = torch.stack([self.strength[prev], target_bias], 1)  # (B, 2)
             uniform = torch.rand(len(prompts), self.s.vocab, generator=gen)  # (B, V)
             gumbel = -(-uniform.log()).log()  # argmax(logits + gumbel) samples softmax(logits)
-            logits = (x @ self.W.T).scatter_add(-1, bias_at, bias)  # (B, V)
+            logits = self(x, bias_at, bias)  # (B, V)
             prev = (logits + gumbel).argmax(-1)  # (B,)
             for key, value in (("tokens", prev), ("x", x), ("bias_at", bias_at), ("bias", bias)):
                 out[key].append(value)
         return {key: torch.stack(values, 1) for key, values in out.items()}
 
 
-def toy_logprobs(net: ToyPolicy, batch: dict) -> torch.Tensor:
+def toy_logprobs(net: ToyPolicy, batch: dict) -> Tensor:
     logits = net(batch["x"], batch["bias_at"], batch["bias"])  # (B, T, V)
     return token_logprobs(logits, batch["tokens"])  # (B, T)
 
 
-def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Algorithm 1, lines 3-5: G samples per prompt, outcome rewards, group advantages, pi_old by a no-grad
-    pass."""
+def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
+    """Algorithm 1, lines 3-5: G samples per prompt, outcome rewards, group advantages, pi_old."""
     prompts = torch.arange(net.s.prompts).repeat_interleave(net.s.group)  # (B,)
     batch = net.sample(prompts, gen)
     decided = batch["tokens"][:, :net.s.decisions]  # (B, decisions)
@@ -742,9 +728,8 @@ def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, torch.Tensor]
 
 
 def toy_config(s: ToySettings) -> Config:
-    """The toy's update: 2 optimiser steps a pass (the paper's 512 responses in mini-batches of 256), no
-    KL, temperature 1, no weight decay (the paper's analysis has none, and Lopti's extra steps would
-    decay twice)."""
+    """2 optimiser steps a pass (as the paper's 512 responses in mini-batches of 256), no KL,
+    temperature 1, no weight decay (the paper's analysis has none; Lopti would decay twice)."""
     rollout_size = s.prompts * s.group
     half = rollout_size // 2 if rollout_size % 2 == 0 else rollout_size
     return Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
@@ -753,8 +738,8 @@ def toy_config(s: ToySettings) -> Config:
 
 
 def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
-    """A trajectory of `method` on seed `seed`'s task: per step the reward, the update's counts, and the
-    `paired` methods' paired_counts (with the own update's under `method`)."""
+    """`method` trained on seed `seed`'s task: per step the reward, the update's Figure 3 counts,
+    and the `paired` methods' paired_counts (with the own update's under `method`)."""
     net = ToyPolicy(s, seed)
     sampler = torch.Generator().manual_seed(seed)
     base = toy_config(s)
@@ -765,13 +750,14 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
     for _ in range(s.steps):
         batch = toy_rollout(net, sampler)
 
-        def measure() -> torch.Tensor:
+        def measure() -> Tensor:
             with torch.no_grad():
                 return toy_logprobs(net, batch)
 
-        probes = paired_counts(base, net, optimizer, logprob_fn, batch, measure, batch["old_logprobs"], paired)
+        before = batch["old_logprobs"]
+        probes = paired_counts(base, net, optimizer, logprob_fn, batch, measure, before, paired)
         update_policy(cfg, logprob_fn, optimizer, batch)
-        counts = update_counts(batch["old_logprobs"], measure(), batch["advantages"], batch["mask"])
+        counts = update_counts(before, measure(), batch["advantages"], batch["mask"])
         out["reward"].append(float(batch["rewards"].mean()))
         out["counts"].append(counts)
         out["paired"].append({method: counts, **probes})
@@ -784,14 +770,16 @@ def run_toy(s: ToySettings) -> dict:
     for method in TOY_OWN_RUNS:
         paired = TOY_PAIRED if method == "grpo" else ()
         runs[method] = [toy_trajectory(s, method, s.seed + i, paired) for i in range(s.seeds)]
-    # Figure 3 of each method's own runs, every step pooled
+    # Figure 3 of each method's own runs, their steps pooled
     figure3 = {"rose": {}, "rose_of_moved": {}, "ties": {}}
+    reward = {}
     for method, trajectories in runs.items():
-        steps = [counts for run in trajectories for counts in run["counts"]]
-        shares = figure3_shares(pool_counts(steps))
+        shares = figure3_shares(pool_counts([c for run in trajectories for c in run["counts"]]))
         for key in figure3:
             figure3[key][method] = shares[key]
-    # Figure 3 paired along GRPO's trajectories: a unit is a seed, its steps pooled
+        rewards = torch.tensor([run["reward"] for run in trajectories], dtype=torch.float64)
+        reward[method] = rewards.mean(0).tolist()
+    # Figure 3 paired along GRPO's trajectories; a unit is a seed, its steps pooled
     units = []
     for run in runs["grpo"]:
         methods = run["paired"][0]
@@ -808,9 +796,6 @@ def run_toy(s: ToySettings) -> dict:
     norm_over_rest = norm / (upper / math.sqrt(2))  # (B, T): ||e_j - pi|| / (1 - pi_j)
     prop_4_2 = {"tokens": norm.numel(), "within": int(within.sum()),
                 "norm_over_rest": [float(norm_over_rest.min()), float(norm_over_rest.max())]}
-    reward = {}
-    for method, trajectories in runs.items():
-        reward[method] = [sum(run["reward"][t] for run in trajectories) / s.seeds for t in range(s.steps)]
     return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "prop_4_2": prop_4_2,
             "reward": reward, "figure3": figure3}
 
@@ -820,38 +805,40 @@ def fmt_list(xs: list, spec: str = ".3f") -> str:
 
 
 def toy_checks(r: dict) -> list[str]:
-    """What `lopti.py toy` prints: Prop. 4.2 on the sampled tokens, Figure 3's decline under GRPO, each
-    method's own runs, and each paired difference from GRPO in the top bin."""
+    """What `lopti.py toy` prints: Prop. 4.2 on the sampled tokens, GRPO's Figure 3 decline, each
+    method's own runs, and each paired difference from GRPO."""
     p = r["prop_4_2"]
     lo, hi = p["norm_over_rest"]
     holds = "yes" if p["within"] == p["tokens"] else "NO "
-    checks = [f"[{holds}] Prop. 4.2, sqrt(N/(N-1))(1 - pi_j) <= ||e_j - pi|| <= sqrt(2)(1 - pi_j), holds on "
-              f"{p['within']} of {p['tokens']} sampled tokens: ||e_j - pi|| / (1 - pi_j) from {lo:.3f} to {hi:.3f}"]
+    bound = "sqrt(N/(N-1)) (1 - pi_j) <= ||e_j - pi|| <= sqrt(2) (1 - pi_j)"
+    checks = [f"[{holds}] Prop. 4.2, {bound}, holds on {p['within']} of {p['tokens']} sampled "
+              f"tokens: ||e_j - pi|| / (1 - pi_j) from {lo:.3f} to {hi:.3f}"]
     rose = r["figure3"]["rose"]["grpo"]
     gap = rose[0] - rose[3]
     declines = "yes" if gap >= 0.05 else "NO "
-    checks.append(f"[{declines}] GRPO's top bin rose at least 0.05 less often than its lowest: {fmt_list(rose)} "
-                  f"(lowest - top {gap:+.3f})")
+    checks.append(f"[{declines}] GRPO's top bin rose at least 0.05 less often than its lowest: "
+                  f"{fmt_list(rose)} (lowest - top {gap:+.3f})")
     for method, shares in r["figure3"]["rose"].items():
         checks.append(f"[own runs] {method} rose {fmt_list(shares)}")
     for method, d in r["figure3"]["paired"].items():
         verdict = "does not resolve"
         if d["resolved"][3]:
             verdict = "raises" if d["delta"][3] > 0 else "lowers"
-        checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: {d['delta'][3]:+.3f}, "
-                      f"p {d['p'][3]:.3f}; every bin {fmt_list(d['delta'], '+.3f')}")
+        every_bin = fmt_list(d["delta"], "+.3f")
+        checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
+                      f"{d['delta'][3]:+.3f}, p {d['p'][3]:.3f}; every bin {every_bin}")
     return checks
 
 
 # ====== Knights and Knaves: the paper's task, its prompt and reward (Logic-RL's) ======
-# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic) as Logic-RL ships it (the official code's
-# data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py, as in AR-Lopti. The puzzle
-# generator and loader are in the harness, below the first read.
+# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic) as Logic-RL ships it (the official
+# code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py, as in AR-Lopti. The
+# puzzle generator and loader are in the harness, below the first read.
 
 KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
-THINK_PREFIX = "<think>"  # the assistant turn is pre-filled with it; the reward reads it as part of the text
-KK_SYSTEM_PROMPT = (  # verbatim from Logic-RL's qwen-instruct prompt, odd spacing ("and<answer>") included
+THINK_PREFIX = "<think>"  # pre-fills the assistant turn; the reward reads it as part of the text
+KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>" included
     "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
     "then provides the user with the answer. The reasoning process and answer are enclosed within "
     "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
@@ -861,16 +848,17 @@ KK_SYSTEM_PROMPT = (  # verbatim from Logic-RL's qwen-instruct prompt, odd spaci
 
 
 def kk_prompt(tokenizer, quiz: str) -> str:
-    """The chat template over [system prompt, quiz + "\\n"], then THINK_PREFIX: Logic-RL's prompt byte
-    for byte."""
-    messages = [{"role": "system", "content": KK_SYSTEM_PROMPT}, {"role": "user", "content": quiz + "\n"}]
+    """The chat template over [system prompt, quiz + "\\n"], then THINK_PREFIX: Logic-RL's prompt
+    byte for byte."""
+    system = {"role": "system", "content": KK_SYSTEM_PROMPT}
+    messages = [system, {"role": "user", "content": quiz + "\n"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text + THINK_PREFIX
 
 
 def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
-    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex, line by
-    line."""
+    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex, line
+    by line."""
     roles = {}
     for line in solution_text_format.split("\n"):
         match = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.IGNORECASE)
@@ -880,11 +868,11 @@ def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
 
 
 def kk_reward(completion: str, solution_text_format: str) -> float:
-    """Logic-RL's reward of a completion (with THINK_PREFIX), on its text after the first "Assistant:".
-    Format: +1 if each tag occurs once and in order, else -1 and -2 for the answer. Answer: -2 unless the
-    knight/knave words number the people and each name matches "NAME is a knight|knave" (first match);
-    else +2 if all are right, -1.5 if not. Totals: 3 correct, -0.5 wrong, -1 unreadable, -3 format
-    error."""
+    """Logic-RL's reward of a completion (with THINK_PREFIX), on its text after the first
+    "Assistant:". Format: +1 if each tag occurs once and in order, else -1 and -2 for the answer.
+    Answer: -2 unless the knight/knave words number the people and each name matches "NAME is a
+    knight|knave" (first match); else +2 if all are right, -1.5 if not. Totals: 3 correct, -0.5
+    wrong, -1 unreadable, -3 format error."""
     text = completion.split("Assistant:", 1)[-1]
     truth = kk_parse_solution(solution_text_format)
     # format: each tag once, in order
@@ -905,67 +893,64 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
     return KK_MAX_REWARD if said == truth else -0.5
 
 
-def kk_rewards(completions: list[str], solutions: list[str]) -> torch.Tensor:
+def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
     """Logic-RL's rewards (B,) of completions as generated after THINK_PREFIX."""
     return torch.tensor([kk_reward(THINK_PREFIX + c, s) for c, s in zip(completions, solutions)])
 
 
-# ====== The LLM run: rollout -> reward -> group advantage -> pi_old -> update -> Figure 3, on K&K ======
+# ====== The LLM run: rollout, reward, group advantage, pi_old, update, Figure 3, on K&K ======
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends a response (Qwen has two)."""
     ids = model.generation_config.eos_token_id
-    if ids is None:
-        ids = []
-    elif isinstance(ids, int):
-        ids = [ids]
-    return sorted(set(list(ids) + [tokenizer.eos_token_id]) - {None})
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
 
 
-def completion_mask(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The response tokens, from positions: up to and including the first EOS; and (B,) truncated (no
-    EOS). From values (tokens != pad) the EOS is lost when pad == EOS, and the model never learns to stop.
+def completion_mask(completions: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """The response tokens, by position: up to and including the first EOS; and (B,) truncated (no
+    EOS). By value (tokens != pad) the EOS is lost when pad == EOS: the model never learns to stop.
     Example, EOS = 2 = pad: [[5, 7, 2, 2, 2], [5, 2, 9, 2, 2], [5, 7, 8, 9, 6]]
         -> mask [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], truncated [F, F, T]"""
-    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device)).long()  # (B, C)
+    eos = torch.tensor(eos_ids, device=completions.device)
+    is_eos = torch.isin(completions, eos).long()  # (B, C)
     eos_before = is_eos.cumsum(1) - is_eos  # (B, C): EOS tokens strictly before each position
-    mask = eos_before == 0  # (B, C)
-    truncated = is_eos.sum(1) == 0  # (B,)
-    return mask, truncated
+    return eos_before == 0, is_eos.sum(1) == 0
 
 
-def cut_at(tokenizer, completions: torch.Tensor, mask: torch.Tensor, stop: str) -> tuple[torch.Tensor, torch.Tensor]:
+def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Tensor, Tensor]:
     """Each row's `mask` ended at the token that completes the text `stop`; and (B,) stopped."""
     mask = mask.clone()
     stopped = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
     for i, row in enumerate(completions.tolist()):
         pieces = tokenizer.batch_decode([[token] for token in row[:int(mask[i].sum())]])
         at = "".join(pieces).find(stop)
-        if at < 0:
-            continue
-        ends = torch.tensor([len(piece) for piece in pieces]).cumsum(0)  # the text's length after each token
-        last = int((ends < at + len(stop)).sum())  # the token that completes `stop`
-        mask[i, last + 1:] = False
-        stopped[i] = True
+        if at >= 0:
+            ends = torch.tensor([len(piece) for piece in pieces]).cumsum(0)  # text length per token
+            last = int((ends < at + len(stop)).sum())  # the token that completes `stop`
+            mask[i, last + 1:] = False
+            stopped[i] = True
     return mask, stopped
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.device, greedy: bool = False) -> dict:
-    """A completion per prompt from pi_old = softmax(z / T): no top-k, top-p or repetition penalty, as
-    pi_old must be what the tokens were drawn from. Returns `input_ids`, `attention_mask` (B, P + C), the
-    completion `mask` (B, C), `truncated` (B,) and `texts`."""
+def rollout(model, tokenizer, prompts: list[str], cfg: Config, device, greedy: bool = False):
+    """A completion per prompt from pi_old = softmax(z / T), with no top-k, top-p or repetition
+    penalty: pi_old must be what the tokens were drawn from. Returns `input_ids`, `attention_mask`
+    (B, P + C), the completion `mask` (B, C), `truncated` (B,) and `texts`."""
     from transformers import GenerationConfig
     model.eval()
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = encoded.to(device)
     eos_ids = eos_token_ids(model, tokenizer)
     sampling = {} if greedy else dict(temperature=cfg.temperature, top_k=0, top_p=1.0)
-    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, max_new_tokens=cfg.max_completion_length,
-                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
-                               stop_strings="</answer>" if cfg.stop_at_answer else None, **sampling)
-    # Qwen's generation config has top_p 0.8, top_k 20 and repetition_penalty 1.05, and generate() fills a
-    # field left at its default from it: the model's config is swapped for ours while generating
+    stop = "</answer>" if cfg.stop_at_answer else None
+    gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, eos_token_id=eos_ids,
+                               pad_token_id=tokenizer.pad_token_id, stop_strings=stop,
+                               max_new_tokens=cfg.max_completion_length, **sampling)
+    # generate() fills fields left at their defaults from the model's generation config (Qwen's:
+    # top_p 0.8, top_k 20, repetition_penalty 1.05), so ours replaces it while generating
     saved_gen_cfg = model.generation_config
     model.generation_config = gen_cfg
     chunk = cfg.generation_batch_size or len(prompts)  # chunks bound the KV cache
@@ -975,56 +960,55 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device: torch.dev
             ids = encoded["input_ids"][i:i + chunk]  # (b, P)
             attention = encoded["attention_mask"][i:i + chunk]  # (b, P)
             shared = len(torch.unique(ids, dim=0)) < len(ids)
-            with autocast(device):
-                # a group's G rows share a prompt: it runs once (prefix_cache), not G times
+            with autocast(device):  # a group's prompt runs once (prefix_cache), not G times
                 cache = prefix_cache(model, ids[:, :-1], attention[:, :-1])[0] if shared else None
-                out = model.generate(input_ids=ids, attention_mask=attention, generation_config=gen_cfg,
-                                     cache=cache, tokenizer=tokenizer)
+                out = model.generate(input_ids=ids, attention_mask=attention, cache=cache,
+                                     generation_config=gen_cfg, tokenizer=tokenizer)
             parts.append(out[:, ids.shape[1]:])  # (b, C_i)
     finally:
         model.generation_config = saved_gen_cfg
     length = max(part.shape[1] for part in parts)
-    padded = [torch.nn.functional.pad(part, (0, length - part.shape[1]), value=tokenizer.pad_token_id)
-              for part in parts]
+    pad = tokenizer.pad_token_id
+    padded = [torch.nn.functional.pad(p, (0, length - p.shape[1]), value=pad) for p in parts]
     completions = torch.cat(padded)  # (B, C)
     mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
     if cfg.stop_at_answer:
         mask, stopped = cut_at(tokenizer, completions, mask, "</answer>")
         truncated = truncated & ~stopped
-    texts = tokenizer.batch_decode(torch.where(mask, completions, tokenizer.pad_token_id), skip_special_tokens=True)
-    return {"input_ids": torch.cat([encoded["input_ids"], completions], 1),
-            "attention_mask": torch.cat([encoded["attention_mask"], torch.ones_like(completions)], 1),
-            "mask": mask, "truncated": truncated, "texts": texts}
+    texts = tokenizer.batch_decode(torch.where(mask, completions, pad), skip_special_tokens=True)
+    input_ids = torch.cat([encoded["input_ids"], completions], 1)  # (B, P + C)
+    attention_mask = torch.cat([encoded["attention_mask"], torch.ones_like(completions)], 1)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask,
+            "truncated": truncated, "texts": texts}
 
 
-def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Prefix sharing: a group's G rows share a prompt, so its forward (and backward) runs once per
-    distinct prompt and the KV cache is indexed back to every row, differentiably. Returns the cache and
-    the last hidden state (B, 1, H)."""
+def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
+    """A group's G rows share a prompt: its forward (and backward) runs once per distinct prompt,
+    the KV cache indexed back to every row, differentiably. Returns it and the last hidden state
+    (B, 1, H)."""
     L = input_ids.shape[1]
     both = torch.cat([input_ids, attention_mask], 1)  # (B, 2L)
     distinct, inverse = torch.unique(both, dim=0, return_inverse=True)  # (U, 2L), (B,)
-    distinct_ids = distinct[:, :L]  # (U, L)
-    distinct_attention = distinct[:, L:]  # (U, L)
-    position_ids = (distinct_attention.long().cumsum(-1) - 1).clamp_min(0)  # (U, L)
-    out = model.base_model(input_ids=distinct_ids, attention_mask=distinct_attention, use_cache=True,
-                           position_ids=position_ids)
+    ids, attention = distinct[:, :L], distinct[:, L:]  # (U, L) each
+    position_ids = (attention.long().cumsum(-1) - 1).clamp_min(0)  # (U, L)
+    out = model.base_model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
+                           use_cache=True)
     out.cache.batch_select_indices(inverse)
     return out.cache, out.last_hidden_state[inverse, -1:]
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int,
-                      temperature: float) -> torch.Tensor:
-    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows (B, C).
-    Position ids from the attention mask, as generate() made them: a padded row scores as it would alone.
-    The decoder runs once (a shared prompt once per group), the output layer in chunks."""
+def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                      temperature: float) -> Tensor:
+    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C).
+    Position ids come from the attention mask, as generate() made them: a padded row scores as it
+    would alone. A shared prompt runs once per group; the output layer runs in chunks."""
     C = num_completion
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
     shared = len(torch.unique(input_ids[:, :-C], dim=0)) < len(input_ids) and C > 1
     checkpointing = model.is_activation_checkpointing and model.training  # (HF drops a cache then)
     if shared and not checkpointing:
-        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # first predicts o_1
+        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # o_1's
         rest = model.base_model(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
                                 position_ids=position_ids[:, -C:-1], cache=cache).last_hidden_state
         hidden = torch.cat([first, rest], 1)  # (B, C, H): position t predicts o_{t+1}
@@ -1035,28 +1019,26 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return hidden_logprobs(hidden, model.get_output_embeddings(), targets, temperature)  # (B, C)
 
 
-def completion_logprobs(model, micro: dict, temperature: float) -> torch.Tensor:
-    """sequence_logprobs (b, C) of a micro-batch, run only up to its longest completion (exact: attention
-    is causal); later columns are 0."""
+def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
+    """sequence_logprobs (b, C) of a micro-batch, run only up to its longest completion (exact, as
+    attention is causal); later columns are 0."""
     C = micro["mask"].shape[1]
     columns = micro["mask"].any(0).nonzero()
-    used = int(columns[-1]) + 1 if len(columns) else 1  # columns up to the last response token
+    used = int(columns[-1]) + 1 if len(columns) else 1  # up to the last response token
     end = micro["input_ids"].shape[1] - C + used
-    logprobs = sequence_logprobs(model, micro["input_ids"][:, :end], micro["attention_mask"][:, :end], used,
-                                 temperature)  # (b, used)
+    input_ids = micro["input_ids"][:, :end]
+    attention_mask = micro["attention_mask"][:, :end]
+    logprobs = sequence_logprobs(model, input_ids, attention_mask, used, temperature)  # (b, used)
     return torch.nn.functional.pad(logprobs, (0, C - used))  # (b, C)
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows: torch.Tensor | None = None,
-                     fp32: bool = False) -> torch.Tensor:
-    """No-grad log-probs (B, C): pi_old's, the reference's or Figure 3's pass; only `rows` if given (the
-    others are 0)."""
+def batched_logprobs(model, batch: dict, cfg: Config, device, rows: Tensor | None = None,
+                     fp32: bool = False) -> Tensor:
+    """No-grad log-probs (B, C): pi_old's, the reference's or Figure 3's; of `rows` if given."""
     model.eval()
     out = torch.zeros(batch["mask"].shape, device=batch["mask"].device)  # (B, C)
-    if rows is None:
-        rows = torch.ones(len(out), dtype=torch.bool)
-    index = rows.nonzero().squeeze(1).cpu()
+    index = torch.arange(len(out)) if rows is None else rows.nonzero().squeeze(1).cpu()
     for micro in split_rows(index, cfg.micro_batch_size):
         micro_batch = {k: batch[k][micro] for k in ("input_ids", "attention_mask", "mask")}
         with autocast(device, enabled=not fp32):
@@ -1064,87 +1046,79 @@ def batched_logprobs(model, batch: dict, cfg: Config, device: torch.device, rows
     return out
 
 
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device: torch.device,
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device,
                probe: Callable | None = None) -> dict:
     """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions
     ("samples"). `probe(batch, logprob_fn, measure, before)` runs before the update (diagnose); no
     optimizer, no update."""
     G = cfg.num_generations
-    times = {}
+    t0 = time.perf_counter()
     # Rollout: G completions per prompt from pi_old
-    start = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
     batch = rollout(model, tokenizer, prompts, cfg, device)
-    times["time/rollout"] = time.perf_counter() - start
-    # Outcome rewards and GRPO's group advantage
+    t1 = time.perf_counter()
+    # Outcome rewards, GRPO's group advantage
     solutions = [solution for solution in rows["solution_text_format"] for _ in range(G)]
     rewards = kk_rewards(batch["texts"], solutions)  # (B,)
     batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
-    # pi_old (and the reference's log-probs) by a no-grad pass, fixed for the step; only for rows that
-    # have a gradient
-    start = time.perf_counter()
+    # pi_old (and the reference's) by a no-grad pass, fixed for the step, of rows with a gradient
     needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
     batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C)
     if ref_model is not None:
         batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)  # (B, C)
-    times["time/logprobs"] = time.perf_counter() - start
-    # Figure 3 compares pi before and after the update by one pass, so that an unmoved token compares
-    # equal: pi_old's pass, or under bf16 an fp32 one (bf16's rounding, 0.4 %, exceeds what an update at
-    # lr 1e-6 moves a token)
-    start = time.perf_counter()
+    t2 = time.perf_counter()
+    # Figure 3 compares pi before and after the update by one pass, so an unmoved token compares
+    # equal: pi_old's, or under bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6 moves)
     fp32 = has_bf16(device)
     measure = functools.partial(batched_logprobs, model, batch, cfg, device, needed, fp32)
-    before = batch["old_logprobs"]
-    if fp32 and cfg.measure_update:
-        before = measure()
-    if device.type == "cuda":  # CUDA is asynchronous: wait, or the passes' time lands in the update's
+    before = measure() if fp32 and cfg.measure_update else batch["old_logprobs"]
+    if device.type == "cuda":  # CUDA is asynchronous: wait, or this time lands in the update's
         torch.cuda.synchronize(device)
-    measure_time = time.perf_counter() - start
+    t3 = time.perf_counter()
 
-    def logprob_fn(micro: dict) -> torch.Tensor:
+    def logprob_fn(micro: dict) -> Tensor:
         with autocast(device):
             return completion_logprobs(model, micro, cfg.temperature)
 
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "truncated"}
+    tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor) and k != "truncated"}
     model.train()  # for gradient checkpointing; dropout is off (load_model)
-    metrics = {}
-    if probe is not None:
-        metrics = probe(tensors, logprob_fn, measure, before)
+    metrics = probe(tensors, logprob_fn, measure, before) if probe else {}
     if optimizer is not None:
-        # The update: AR, then GRPO's pass or Lopti's two (Algorithm 1)
+        # The update: AR, then GRPO's pass or Lopti's two (Algorithm 1); then its Figure 3
         metrics.update(update_policy(cfg, logprob_fn, optimizer, tensors))
-        # Figure 3 of this update
         if cfg.measure_update:
-            start = time.perf_counter()
+            t4 = time.perf_counter()
             after = measure()
-            metrics.update(update_counts(before, after, batch["advantages"], batch["mask"], batch["old_logprobs"]))
-            metrics["time/measure"] = measure_time + time.perf_counter() - start
-    grouped = rewards.view(-1, G)  # (P, G)
-    zero_spread = (grouped == grouped[:, :1]).all(1)  # (P,): no advantage, no learning
-    samples = [{"reward": reward, "completion": THINK_PREFIX + text}
-               for reward, text in zip(rewards[:G].tolist(), batch["texts"])]
-    return {"reward": rewards.mean().item(), "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
+            advantages, mask, old = batch["advantages"], batch["mask"], batch["old_logprobs"]
+            metrics.update(update_counts(before, after, advantages, mask, old))
+            metrics["time/measure"] = time.perf_counter() - t4 + t3 - t2
+    groups = rewards.view(-1, G)  # (P, G)
+    zero_spread = (groups == groups[:, :1]).all(1)  # (P,): no advantage, no learning
+    first_group = zip(rewards[:G].tolist(), batch["texts"])
+    samples = [{"reward": r, "completion": THINK_PREFIX + text} for r, text in first_group]
+    return {"reward": rewards.mean().item(),
+            "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
             "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
             "zero_std_groups": zero_spread.float().mean().item(),
             "completion_length": batch["mask"].sum(1).float().mean().item(),
-            "truncated": batch["truncated"].float().mean().item(), **metrics, **times, "samples": samples}
+            "truncated": batch["truncated"].float().mean().item(),
+            **metrics, "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "samples": samples}
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
     """GRPO (+AR, +Lopti) on K&K: config.json, metrics.jsonl (a line per step and per evaluation),
-    samples.jsonl and checkpoint-STEP/ in cfg.output_dir. Ctrl-C or SIGTERM finishes the step, saves it
+    samples.jsonl and checkpoint-STEP/ in cfg.output_dir. Ctrl-C or SIGTERM finishes the step, saves
     and exits 130 or 143; a second signal aborts at once, keeping the last checkpoint."""
     out = Path(cfg.output_dir)
-    check_output_dir(cfg, out, resume)  # an empty or new folder, or with --resume a run of this method
+    check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: a run of cfg's method
     device = pick_device()
     torch.manual_seed(cfg.seed)
-    train_rows, eval_rows = load_task_data(cfg)  # a bad data file fails here, before anything is written
+    train_rows, eval_rows = load_task_data(cfg)  # a bad data file fails here, before any writing
     latest = checkpoints(out)[-1] if resume and checkpoints(out) else None
-    state = load_trainer_state(latest)
+    state = load_trainer_state(latest)  # {"step": 0} for a new run
     model, tokenizer, ref_model = load_policy(cfg, device, latest)  # warmed up unless resumed
     optimizer = make_optimizer(model, cfg)
-    if latest is not None:
-        restore_trainer_state(cfg, optimizer, state)
+    restore_trainer_state(state, optimizer, cfg)
     start = state["step"]
     start_run_files(out, cfg, start)
 
@@ -1153,16 +1127,17 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
     with StopOnSignal() as stop, tqdm(initial=start, total=cfg.steps, desc="train") as progress:
         if evaluation_due(cfg, start) and not evaluated(out, start):
-            evaluate_and_log(start)  # step 0 (after the warm-up), or a run stopped before evaluating
+            evaluate_and_log(start)  # step 0, after the warm-up; or a run stopped before evaluating
         step = start
         while step < cfg.steps and not stop.signum:
             step += 1
             rows = train_rows[step_rows(len(train_rows), cfg, step - 1)]
             metrics = train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)
             check_finite(model, step)
-            samples = metrics.pop("samples")
-            append_jsonl(out / "samples.jsonl", {"step": step, "quiz": rows["quiz"][0], "samples": samples})
-            append_jsonl(out / "metrics.jsonl", {"step": step, "learning_rate": cfg.learning_rate, **metrics})
+            samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
+            append_jsonl(out / "samples.jsonl", samples)
+            metrics = {"step": step, "learning_rate": cfg.learning_rate, **metrics}
+            append_jsonl(out / "metrics.jsonl", metrics)
             if checkpoint_due(cfg, step) or stop.signum:
                 save_checkpoint(out, model, tokenizer, optimizer, step)
             if evaluation_due(cfg, step) and not stop.signum:
@@ -1171,13 +1146,14 @@ def train(cfg: Config, resume: bool = False) -> Path:
         if stop.signum:
             if not (out / f"checkpoint-{step}").exists():  # the signal came during an evaluation
                 save_checkpoint(out, model, tokenizer, optimizer, step)
-            print(f"lopti.py train: stopped after step {step}, saved; continue with --resume", file=sys.stderr)
+            print(f"lopti.py train: stopped after step {step}, saved; continue with --resume",
+                  file=sys.stderr)
             raise SystemExit(128 + stop.signum)
     return checkpoints(out)[-1]
 
 
 # ====== A first read can stop here ======
-# The harness: the puzzle generator and loader, the warm-up, model loading, checkpoints, resume and
+# The harness: the puzzle generator and loader, the warm-up, models, checkpoints, resume and
 # signals, evaluation, diagnose and its paired statistics, plot, TRL, the command line.
 
 # --- K&K puzzles: the benchmark's generator and solver, Logic-RL's files
@@ -1200,38 +1176,36 @@ KK_MAX_PEOPLE = 8  # a solver tries all 2^n worlds
 
 
 def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
-    """Truth of a statement like ("and", ("lying", 0), ("telling-truth", 2)) in a world (True = knight)."""
+    """Truth of a statement, e.g. ("and", ("lying", 0), ("telling-truth", 2)), in a world of roles
+    (True = knight)."""
     op, *args = statement
     if op in ("telling-truth", "lying"):
         return world[args[0]] == (op == "telling-truth")
     values = [_kk_true(arg, world) for arg in args]
+    if op == "and":
+        return all(values)  # (the official rows' and/or may have more than two operands)
+    if op == "or":
+        return any(values)
     if op == "not":
         return not values[0]
-    if op == "and":
-        return values[0] and values[1]
-    if op == "or":
-        return values[0] or values[1]
     if op == "->":
         return not values[0] or values[1]
-    assert op == "<=>", f"unknown statement {op!r}"
-    return values[0] == values[1]
+    return values[0] == values[1]  # "<=>"
 
 
 def kk_solve(statements) -> list[list[bool]]:
-    """Every consistent world (True = knight): person i is a knight iff statement i is true. Tries all 2^n
-    in the benchmark's order. `statements`: the tuple, or its string (parsed as a literal, never run)."""
+    """Every consistent world (True = knight), in the benchmark's order: person i is a knight iff
+    statement i is true. `statements`: the tuple, or its repr (parsed as a literal, never run)."""
     if isinstance(statements, str):
         statements = ast.literal_eval(statements)
-    solutions = []
-    for world in itertools.product((True, False), repeat=len(statements)):
-        if all(_kk_true(s, world) == world[i] for i, s in enumerate(statements)):
-            solutions.append(list(world))
-    return solutions
+    worlds = itertools.product((True, False), repeat=len(statements))
+    consistent = [w for w in worlds if all(_kk_true(s, w) == w[i] for i, s in enumerate(statements))]
+    return [list(w) for w in consistent]
 
 
 def _kk_statement(rng: random.Random, n: int, speaker: int) -> tuple:
-    """A statement by `speaker`, by the benchmark's grammar: a leaf, not, and, or, ->, <=> (1/6 each) over
-    distinct leaves; never "I am a knave"."""
+    """A statement by `speaker`, by the benchmark's grammar: a leaf, not, and, or, ->, <=> (1/6
+    each) over distinct leaves; never "I am a knave"."""
     def leaf():
         while True:
             candidate = (rng.choice(("telling-truth", "lying")), rng.randrange(n))
@@ -1253,8 +1227,8 @@ def _kk_statement(rng: random.Random, n: int, speaker: int) -> tuple:
 def _kk_text(names: list[str], statement: tuple) -> str:
     """The benchmark's English for one statement."""
     def leaf(x, negate=False):
-        role = "a knight" if x[0] == "telling-truth" else "a knave"
-        return f"{names[x[1]]} is {'not ' if negate else ''}{role}"
+        role = "knight" if x[0] == "telling-truth" else "knave"
+        return f"{names[x[1]]} is {'not ' if negate else ''}a {role}"
 
     op = statement[0]
     if op == "not":
@@ -1271,16 +1245,15 @@ def _kk_text(names: list[str], statement: tuple) -> str:
 
 def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str]:
     """(solution_text, solution_text_format) as the official rows write them."""
-    parts = [f"{name} is {'a knight' if knight else 'a knave'}" for name, knight in zip(names, solution)]
+    parts = [f"{name} is a {'knight' if knight else 'knave'}" for name, knight in zip(names, solution)]
     text = ", ".join(parts[:-1]) + ", and " + parts[-1] + "."
-    text_format = "\n".join(f"({i}) {part}" for i, part in enumerate(parts, 1))
-    return text, text_format
+    return text, "\n".join(f"({i}) {part}" for i, part in enumerate(parts, 1))
 
 
-def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0) -> datasets.Dataset:
-    """`n` puzzles with exactly one solution, of num_people (an int, or (lo, hi) drawn per puzzle) within
-    2..8; no statements repeat, as in the benchmark. Rows in its schema: quiz, names, solution (True =
-    knight), solution_text, solution_text_format (the reward's truth), statements (the tuple's repr),
+def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0):
+    """`n` puzzles with exactly one solution, of num_people (an int, or (lo, hi) drawn per puzzle),
+    no statements repeated, as in the benchmark. Rows in its schema: quiz, names, solution (True =
+    knight), solution_text, solution_text_format (the reward's truth), statements (a repr),
     num_people."""
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= KK_MAX_PEOPLE, f"num_people must lie within 2..8, got {num_people}"
@@ -1291,9 +1264,7 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
         k = rng.randint(lo, hi)
         for _try in range(10_000):  # (2-person puzzles run out after a few hundred)
             statements = tuple(_kk_statement(rng, k, i) for i in range(k))
-            if statements in seen:
-                continue
-            solutions = kk_solve(statements)
+            solutions = [] if statements in seen else kk_solve(statements)
             if len(solutions) == 1:
                 break
         else:
@@ -1303,11 +1274,12 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
         said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_text(names, s))
                         for i, s in enumerate(statements))
         people = f"You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}."
-        quiz = ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, "
-                f"and knaves always lie. {people} {said} So who is a knight and who is a knave?")
+        quiz = ("A very special island is inhabited only by knights and knaves. Knights always tell "
+                f"the truth, and knaves always lie. {people} {said} So who is a knight and who is a knave?")
         text, text_format = _kk_solution_texts(names, solutions[0])
         rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
-                     "solution_text_format": text_format, "statements": repr(statements), "num_people": k})
+                     "solution_text_format": text_format, "statements": repr(statements),
+                     "num_people": k})
     return datasets.Dataset.from_list(rows)
 
 
@@ -1318,14 +1290,12 @@ def _first_line(e: Exception) -> str:
 
 def _as_tuples(x):
     """JSON's nested lists as the tuples they stand for."""
-    if isinstance(x, list):
-        return tuple(_as_tuples(item) for item in x)
-    return x
+    return tuple(_as_tuples(item) for item in x) if isinstance(x, list) else x
 
 
 def _kk_row(row: dict) -> dict:
-    """A loaded row in kk_generate's schema, checked: its statements must have exactly its solution."""
-    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL's rows keep them here
+    """A loaded row in kk_generate's schema, checked: its statements have exactly its solution."""
+    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # where Logic-RL's rows keep them
     text_format = row.get("solution_text_format") or truth.get("solution_text_format")
     statements = row.get("statements") or truth.get("statements")
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
@@ -1336,17 +1306,16 @@ def _kk_row(row: dict) -> dict:
     names = list(roles)
     solution = [role == "knight" for role in roles.values()]
     if not row["quiz"] or len(names) < 2 or kk_solve(statements) != [solution]:
-        raise ValueError(f"no quiz or people, or its statements do not have the unique solution {text_format!r}")
+        raise ValueError(f"no quiz or people, or statements without the unique solution {text_format!r}")
     return {"quiz": row["quiz"], "names": names, "solution": solution, "statements": statements,
             "solution_text": row.get("solution_text") or _kk_solution_texts(names, solution)[0],
             "solution_text_format": text_format, "num_people": len(names)}
 
 
 def kk_load(source: str) -> datasets.Dataset:
-    """K&K puzzles, row by row checked, from a .parquet/.jsonl/.json file in the benchmark's or
+    """K&K puzzles, each row checked, from a .parquet/.jsonl/.json file in the benchmark's or
     Logic-RL's format, or a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" (e.g.
-    "K-and-K/knights-and-knaves:test/3ppl"). A file or row that cannot be read raises one ValueError
-    naming it."""
+    "K-and-K/knights-and-knaves:test/3ppl"). What cannot be read is one ValueError naming it."""
     suffix = Path(source).suffix.lower()
     if Path(source).exists() and suffix not in (".parquet", ".jsonl", ".json"):
         raise ValueError(f"{source!r} is not a .parquet, .jsonl or .json file")
@@ -1372,9 +1341,9 @@ def kk_load(source: str) -> datasets.Dataset:
 
 
 def kk_case_analysis(row: dict) -> str:
-    """The solver's own case analysis of a puzzle as a completion after THINK_PREFIX, e.g. " Emma knight,
-    Liam knight: Emma lies. ... Emma knave, Liam knight: all fit. </think><answer> (1) Emma is a knave ...
-    </answer>". The supervised warm-up's target (Config.warmup_steps)."""
+    """The solver's case analysis of a puzzle, as a completion after THINK_PREFIX: the warm-up's
+    target. E.g. " Emma knight, Liam knight: Emma lies. ... Emma knave, Liam knight: all fit.
+    </think><answer> (1) Emma is a knave ... </answer>"."""
     statements = ast.literal_eval(row["statements"])
     names = row["names"]
     cases = []
@@ -1383,8 +1352,7 @@ def kk_case_analysis(row: dict) -> str:
         liars = [i for i, s in enumerate(statements) if _kk_true(s, world) != world[i]]
         verdict = "all fit"
         if liars:
-            first = liars[0]
-            verdict = f"{names[first]} {'lies' if world[first] else 'tells the truth'}"
+            verdict = f"{names[liars[0]]} {'lies' if world[liars[0]] else 'tells the truth'}"
         cases.append(f"{roles}: {verdict}.")
     return f" {' '.join(cases)} </think><answer> {row['solution_text_format']} </answer>"
 
@@ -1395,47 +1363,42 @@ def _kk_relabel(statement: tuple, order) -> tuple:
     if op in ("telling-truth", "lying"):
         return (op, order[args[0]])
     operands = [_kk_relabel(arg, order) for arg in args]
-    if op in ("and", "or", "<=>"):
-        operands = sorted(operands)
-    return (op, *operands)
+    return (op, *(sorted(operands) if op in ("and", "or", "<=>") else operands))
+
+
+def _kk_renamed(statements: tuple, order) -> tuple:
+    """The puzzle with person i renamed order[i]: speaker i's statement becomes speaker order[i]'s."""
+    renamed = [None] * len(statements)
+    for speaker, statement in enumerate(statements):
+        renamed[order[speaker]] = _kk_relabel(statement, order)
+    return tuple(renamed)
 
 
 def _kk_outline(statements: tuple) -> tuple:
-    """What any renaming of the people keeps: each statement with its speaker as 0, everyone else as 1."""
-    outlines = []
-    for speaker, statement in enumerate(statements):
-        order = [0 if person == speaker else 1 for person in range(len(statements))]
-        outlines.append(_kk_relabel(statement, order))
-    return tuple(sorted(outlines))
+    """What any renaming keeps: the statements with each one's speaker as 0, everyone else as 1."""
+    n = len(statements)
+    return tuple(sorted(_kk_relabel(s, [int(p != i) for p in range(n)]) for i, s in enumerate(statements)))
 
 
 def kk_twins(rows, others) -> list[bool]:
-    """For each puzzle of `rows`, whether `others` holds a logical twin: the same statements up to names
-    (some renaming of the people makes them equal, the operands of and, or, <=> in any order). 2-person
-    puzzles fall into only 95 such classes. Renamings are tried only against puzzles of the same outline."""
-    by_outline = collections.defaultdict(set)
+    """For each puzzle of `rows`, whether `others` holds a logical twin: the same statements up to
+    names (a renaming of the people makes them equal, the operands of and, or, <=> in any order).
+    2-person puzzles fall into 95 such classes. Renamings are tried only on puzzles of one outline."""
+    seen = collections.defaultdict(set)  # outline -> puzzles
     for text in others["statements"]:
         statements = ast.literal_eval(text)
-        as_they_are = range(len(statements))
-        by_outline[_kk_outline(statements)].add(tuple(_kk_relabel(s, as_they_are) for s in statements))
+        seen[_kk_outline(statements)].add(_kk_renamed(statements, range(len(statements))))
     twins = []
     for text in rows["statements"]:
         statements = ast.literal_eval(text)
-        candidates = by_outline.get(_kk_outline(statements), set())
-        found = False
-        for order in itertools.permutations(range(len(statements))) if candidates else ():
-            renamed = [None] * len(statements)
-            for speaker, statement in enumerate(statements):
-                renamed[order[speaker]] = _kk_relabel(statement, order)
-            if tuple(renamed) in candidates:
-                found = True
-                break
-        twins.append(found)
+        candidates = seen.get(_kk_outline(statements), set())
+        orders = itertools.permutations(range(len(statements))) if candidates else []
+        twins.append(any(_kk_renamed(statements, order) in candidates for order in orders))
     return twins
 
 
 def constant_accuracy(rows) -> float:
-    """The accuracy of the best constant answer (per size, the roles by position right most often, e.g.
+    """The best constant answer's accuracy (per size, the roles by position right most often, e.g.
     "(1) knave (2) knave"): a model's accuracy means something above it."""
     best: dict[int, int] = {}
     for solution, count in collections.Counter(tuple(s) for s in rows["solution"]).items():
@@ -1445,13 +1408,13 @@ def constant_accuracy(rows) -> float:
 
 def warmup_puzzles(cfg: Config) -> datasets.Dataset:
     """The warm-up's puzzles, from a seed of their own: not the RL steps' or the evaluation's."""
-    lo, hi = people_range(cfg.num_people)
-    return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, (lo, hi), seed=cfg.seed + 2_000_003)
+    return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, people_range(cfg.num_people),
+                       seed=cfg.seed + 2_000_003)
 
 
 def load_task_data(cfg: Config):
-    """Training and evaluation rows; no evaluation puzzle is a training one. The evaluation rows' column
-    `twin` says which have a logical twin among the training and warm-up puzzles (kk_twins)."""
+    """Training and evaluation rows; no evaluation puzzle is a training one. The evaluation rows'
+    column `twin`: whether a training or warm-up puzzle is its logical twin (kk_twins)."""
     lo, hi = people_range(cfg.num_people)
     if cfg.train_data == "generate":
         train = kk_generate(cfg.num_train, (lo, hi), cfg.seed)
@@ -1466,11 +1429,10 @@ def load_task_data(cfg: Config):
     evals = evals.filter(lambda row: row["quiz"] not in training_quizzes)
     if len(evals) == 0:
         raise ValueError("every evaluation puzzle is also a training puzzle: use other --eval_data")
-    seen = {"statements": list(train["statements"])}
+    seen = list(train["statements"])
     if cfg.warmup_steps:
-        seen["statements"] += list(warmup_puzzles(cfg)["statements"])
-    evals = evals.add_column("twin", kk_twins(evals, seen))
-    return train, evals
+        seen += list(warmup_puzzles(cfg)["statements"])
+    return train, evals.add_column("twin", kk_twins(evals, {"statements": seen}))
 
 
 # --- Devices, models and the warm-up
@@ -1479,9 +1441,7 @@ def load_task_data(cfg: Config):
 def pick_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def has_bf16(device: torch.device) -> bool:
@@ -1492,8 +1452,8 @@ def has_bf16(device: torch.device) -> bool:
 
 
 def autocast(device: torch.device, enabled: bool = True):
-    """bf16 autocast where the GPU has it; weights and AdamW's state stay fp32 (an lr 1e-6 step is below
-    bf16's resolution)."""
+    """bf16 autocast where the GPU has it; weights and AdamW's state stay fp32 (bf16 would round away
+    an lr 1e-6 step)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and has_bf16(device))
 
 
@@ -1502,11 +1462,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
     text_config = model.config.get_text_config()
-    scaled = {}
-    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # Gemma 3, Cohere, Granite
-        value = getattr(text_config, key, None)
-        if value not in (None, 1):
-            scaled[key] = value
+    scaling = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 3, Cohere, Granite
+    scaled = {k: getattr(text_config, k) for k in scaling if getattr(text_config, k, None) not in (None, 1)}
     if scaled:  # sequence_logprobs applies the output layer alone
         raise ValueError(f"{name} rescales its logits after the output layer ({scaled}): not supported")
     for module in model.modules():
@@ -1522,12 +1479,12 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(name)
     tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # masks come from positions: pad == EOS is safe
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # masks come from positions
     return tokenizer
 
 
 def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
-    """The policy from `start` (a checkpoint) or cfg.model, warmed up unless it is a run's checkpoint; its
+    """The policy from `start` (a checkpoint) or cfg.model, warmed up unless from a run; its
     tokenizer; the frozen reference model, cfg.model before any warm-up (None when beta = 0)."""
     source = str(start or cfg.model)
     model = load_model(source, device)
@@ -1538,38 +1495,31 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
         ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    from_a_run = (Path(source) / "trainer_state.pt").exists()
-    if cfg.warmup_steps and not from_a_run:
+    if cfg.warmup_steps and not (Path(source) / "trainer_state.pt").exists():
         warm_up(cfg, model, tokenizer, device)
     return model, tokenizer, ref_model
 
 
 def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
-    """The supervised warm-up (ours, for small models: the paper's 3B model needs none, and pure RL on K&K
-    stalls below ~1.5B): cfg.warmup_steps optimiser steps of cross-entropy on kk_case_analysis + EOS,
-    prompts_per_step puzzles each (warmup_puzzles)."""
+    """The supervised warm-up (ours, for small models: the paper's 3B needs none, and pure RL on K&K
+    stalls below ~1.5B): cfg.warmup_steps AdamW steps of cross-entropy on kk_case_analysis + EOS,
+    prompts_per_step puzzles each (warmup_puzzles). AdamW whatever cfg.optimizer says: at this
+    learning rate SGD would warm nothing."""
     rows = warmup_puzzles(cfg)
-    # supervised learning: AdamW whatever cfg.optimizer says (SGD at this learning rate would warm nothing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_learning_rate, weight_decay=cfg.weight_decay)
     model.train()
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
-        puzzles = rows.select(range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step))
-        pairs = []
-        for row in puzzles:
+        pairs = []  # (prompt, target) token ids
+        for row in rows.select(range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)):
             prompt = tokenizer(kk_prompt(tokenizer, row["quiz"]), add_special_tokens=False).input_ids
             target = tokenizer(kk_case_analysis(row) + tokenizer.eos_token, add_special_tokens=False).input_ids
             pairs.append((prompt, target))
-        L = max(len(prompt + target) for prompt, target in pairs)
-        C = max(len(target) for _, target in pairs)
-        ids, attention, mask = [], [], []
-        for prompt, target in pairs:  # left-padded, as generate() pads
-            padding = L - len(prompt + target)
-            ids.append([tokenizer.pad_token_id] * padding + prompt + target)
-            attention.append([0] * padding + [1] * len(prompt + target))
-            mask.append([0] * (C - len(target)) + [1] * len(target))
-        ids = torch.tensor(ids, device=device)  # (B, L)
-        attention = torch.tensor(attention, device=device)  # (B, L)
-        mask = torch.tensor(mask, device=device)  # (B, C): the target tokens
+        L = max(len(p + t) for p, t in pairs)
+        C = max(len(t) for _, t in pairs)
+        pad = tokenizer.pad_token_id  # left-padded, as generate() pads
+        ids = torch.tensor([[pad] * (L - len(p + t)) + p + t for p, t in pairs], device=device)  # (B, L)
+        attention = torch.tensor([[0] * (L - len(p + t)) + [1] * len(p + t) for p, t in pairs], device=device)
+        mask = torch.tensor([[0] * (C - len(t)) + [1] * len(t) for _, t in pairs], device=device)  # (B, C)
         with autocast(device):
             logprobs = sequence_logprobs(model, ids, attention, C, 1.0)  # (B, C)
         loss = -(logprobs * mask).sum() / mask.sum()
@@ -1584,16 +1534,15 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
     replays them."""
     rows = []
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
-        epoch = i // num_rows
-        shuffle = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch)
+        shuffle = torch.Generator().manual_seed(cfg.seed * 100_003 + i // num_rows)  # the epoch's
         rows.append(int(torch.randperm(num_rows, generator=shuffle)[i % num_rows]))
     return rows
 
 
 # --- Run files, checkpoints, resume and signals
 
-# What --resume may change: schedule, evaluation, memory settings (the same steps up to float rounding),
-# the folder's place, and the learning rate (to continue a run that diverged).
+# What --resume may change: schedule, evaluation, memory settings (the same steps up to float
+# rounding), the folder's place, and the learning rate (to continue a run that diverged).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
                      "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "measure_update",
                      "learning_rate", "output_dir")
@@ -1601,10 +1550,8 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_siz
 
 def read_jsonl(path: Path) -> list[dict]:
     """A .jsonl file's records; a line torn by a crash is skipped."""
-    if not path.exists():
-        return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -1618,27 +1565,24 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
-    """Before anything is written: a new run needs an empty or new folder; --resume needs a run whose
-    settings differ from cfg's only in RESUME_MAY_CHANGE (resolve_config has read its config.json)."""
-    if not resume:
-        if out.exists() and any(out.iterdir()):
-            raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else choose a "
-                             "new folder")
-        return
-    saved = json.loads((out / "config.json").read_text())
-    now = asdict(cfg)
-    changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in saved.items() if k not in RESUME_MAY_CHANGE and v != now.get(k)]
-    if changed:
-        raise ValueError(f"--resume may not change {', '.join(changed)}: start a new --output_dir")
+    """Before anything is written: a new run needs an empty or new folder; --resume a run whose
+    settings differ from cfg's only in RESUME_MAY_CHANGE (resolve_config read its config.json)."""
+    if not resume and out.exists() and any(out.iterdir()):
+        raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else choose a new folder")
+    if resume:
+        saved, now = json.loads((out / "config.json").read_text()), asdict(cfg)
+        changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in saved.items() if k not in RESUME_MAY_CHANGE and v != now.get(k)]
+        if changed:
+            raise ValueError(f"--resume may not change {', '.join(changed)}: start a new --output_dir")
 
 
 def start_run_files(out: Path, cfg: Config, start: int) -> None:
-    """config.json, and the logs cut back to step `start`: the lines past the checkpoint are redone, so
-    that every step is logged once."""
+    """config.json, and the logs cut back to step `start`: lines past the checkpoint are redone, so
+    every step is logged once."""
     out.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "samples.jsonl"):
-        kept = [record for record in read_jsonl(out / name) if record["step"] <= start]
-        (out / name).write_text("".join(json.dumps(record) + "\n" for record in kept))
+        kept = [r for r in read_jsonl(out / name) if r["step"] <= start]
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
 
@@ -1649,10 +1593,9 @@ def checkpoints(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
-    """out/checkpoint-STEP/ (a folder --model loads, with trainer_state.pt), written as .tmp and renamed,
-    then the older ones removed: a crash at any moment leaves a complete latest checkpoint."""
-    tmp = out / f"checkpoint-{step}.tmp"
-    final = out / f"checkpoint-{step}"
+    """out/checkpoint-STEP/ (a folder --model loads, with trainer_state.pt), written as .tmp and
+    renamed, then the older ones removed: a crash at any moment leaves a whole latest checkpoint."""
+    tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -1665,18 +1608,20 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
     return final
 
 
-def load_trainer_state(checkpoint_dir: Path | None) -> dict:
-    """A checkpoint's step, optimiser and random states ({"step": 0} without one). Tensors and plain data
-    only: a pickle that would run code is refused."""
-    if checkpoint_dir is None:
+def load_trainer_state(ckpt: Path | None) -> dict:
+    """Checkpoint `ckpt`'s step, optimiser and random states ({"step": 0} without one). Tensors and
+    plain data only: a pickle that would run code is refused."""
+    if ckpt is None:
         return {"step": 0}
     try:
-        return torch.load(checkpoint_dir / "trainer_state.pt", weights_only=True)
+        return torch.load(ckpt / "trainer_state.pt", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{checkpoint_dir}/trainer_state.pt cannot be loaded safely ({_first_line(e)})") from None
+        raise ValueError(f"{ckpt}/trainer_state.pt cannot be loaded safely ({_first_line(e)})") from None
 
 
-def restore_trainer_state(cfg: Config, optimizer, state: dict) -> None:
+def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
+    if "optimizer" not in state:
+        return
     optimizer.load_state_dict(state["optimizer"])
     for group in optimizer.param_groups:  # --resume may lower it
         group["lr"] = cfg.learning_rate
@@ -1705,8 +1650,9 @@ def evaluated(out: Path, step: int) -> bool:
 
 
 class StopOnSignal:
-    """While a run trains: a first Ctrl-C or SIGTERM sets `signum`, and the run finishes its step, saves
-    and exits 128 + signum; a second one aborts at once (KeyboardInterrupt), keeping the last checkpoint."""
+    """While a run trains, a first Ctrl-C or SIGTERM sets `signum`: the run finishes its step, saves
+    and exits 128 + signum. A second one aborts at once (KeyboardInterrupt), keeping the last
+    checkpoint."""
 
     def __enter__(self):
         self.signum = 0
@@ -1728,9 +1674,9 @@ class StopOnSignal:
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
-    """Greedy accuracy (share of reward 3) and mean reward per size, the best constant answer's accuracy,
-    each puzzle's outcome (eval/correct, "0110..."), and with a `twin` column the accuracy on the puzzles
-    without a logical twin in training."""
+    """Greedy accuracy (share of reward 3) and mean reward per size, the best constant answer's
+    accuracy, each puzzle's outcome (eval/correct, "0110..."), and with a `twin` column the accuracy
+    on the puzzles without a logical twin in training."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
@@ -1753,16 +1699,17 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
 
 
 def sign_test_p(gained: int, lost: int) -> float:
-    """McNemar's exact test: the two-sided p of `gained` against `lost` among the puzzles whose outcome
-    changed, were each change a fair coin. Example: 9 gained, 1 lost -> 2 * (1 + 10) / 2**10 = 0.021."""
+    """McNemar's exact test: the two-sided p of `gained` against `lost` among the puzzles whose
+    outcome changed, were each change a fair coin. Example: 9 gained, 1 lost -> 2 * (1 + 10) / 2**10
+    = 0.021."""
     changed = gained + lost
     tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
     return min(1.0, 2 * tail)
 
 
 def paired_gain(before: str, after: str) -> dict:
-    """RL's gain on the same puzzles, from two evaluations' eval/correct: the accuracy difference, the
-    puzzles gained and lost, and McNemar's exact p."""
+    """RL's gain on the same puzzles, from two evaluations' eval/correct: the accuracy difference,
+    the puzzles gained and lost, and McNemar's exact p."""
     assert len(before) == len(after), "two evaluations of the same puzzles"
     gained = sum(b == "0" and a == "1" for b, a in zip(before, after))
     lost = sum(b == "1" and a == "0" for b, a in zip(before, after))
@@ -1781,7 +1728,7 @@ def log_evaluation(out: Path, step: int, record: dict) -> None:
 # --- diagnose: Figure 1, and Figure 3 paired along a trajectory, with the paired statistics
 
 
-def sign_patterns(units: int, resamples: int) -> torch.Tensor:
+def sign_patterns(units: int, resamples: int) -> Tensor:
     """(S, units) signs: all 2^units patterns up to 12 units, else `resamples` random ones."""
     if units <= 12:
         return torch.tensor(list(itertools.product((1.0, -1.0), repeat=units)), dtype=torch.float64)
@@ -1790,26 +1737,22 @@ def sign_patterns(units: int, resamples: int) -> torch.Tensor:
 
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
-    """Per method and bin, from paired_counts of units (steps, or seeds' sums): its share of A > 0 tokens
-    that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0 over the units'
-    differences (p: exact up to 12 units, else from random sign patterns). 'resolved' is p < 0.05, which
-    5 units can never reach (p >= 2/32)."""
+    """Per method and bin, from paired_counts of units (steps, or seeds' sums): its share of A > 0
+    tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0 over
+    the units (p: exact up to 12 units, else from random sign patterns). 'resolved' is p < 0.05,
+    which 5 units can never reach (p >= 2/32)."""
     n = torch.tensor([u[reference]["update/pos_tokens"] for u in units], dtype=torch.float64)  # (U, 4)
+    reference_rose = torch.tensor([u[reference]["update/pos_rose"] for u in units], dtype=torch.float64)
     signs = sign_patterns(len(units), resamples)  # (S, U)
-    exact = len(units) <= 12
     out = {}
-    for method in units[0]:
-        if method == reference:
-            continue
+    for method in [m for m in units[0] if m != reference]:
         rose = torch.tensor([u[method]["update/pos_rose"] for u in units], dtype=torch.float64)  # (U, 4)
-        reference_rose = torch.tensor([u[reference]["update/pos_rose"] for u in units], dtype=torch.float64)
         d = rose - reference_rose  # (U, 4): tokens that rose, minus the reference's
-        observed = d.sum(0).abs()  # (4,)
-        as_extreme = ((signs @ d).abs() >= observed - 1e-9).double().sum(0)  # (4,)
-        if exact:
+        as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
+        if len(units) <= 12:
             p = as_extreme / len(signs)
         else:
-            p = (as_extreme + 1) / (len(signs) + 1)  # never 0 from random patterns
+            p = (as_extreme + 1) / (len(signs) + 1)  # random patterns: never 0
         delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         resolved = [x is not None and q < 0.05 for x, q in zip(delta, p.tolist())]
         out[method] = {"delta": delta, "p": p.tolist(), "resolved": resolved}
@@ -1817,9 +1760,9 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
-    """Figure 1 (measure_bins) on cfg.model's first batch; with `steps`, Figure 3 paired along a trajectory
-    of cfg's method (fresh optimiser): each step applies the others of GRPO, AR, Lopti, AR+Lopti
-    (paired_counts), then its own update. Writes the JSON `out`; the model's folder is only read."""
+    """Figure 1 (measure_bins) on cfg.model's first batch; with `steps`, Figure 3 paired along a
+    trajectory of cfg's method (fresh optimiser): each step applies the others of GRPO, AR, Lopti,
+    AR+Lopti (paired_counts), then its own update. Writes the JSON `out`; the model is only read."""
     cfg = dataclasses.replace(cfg, measure_update=True)
     device = pick_device()
     own = method_name(asdict(cfg))
@@ -1828,15 +1771,15 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     model, tokenizer, ref_model = load_policy(cfg, device)
     optimizer = make_optimizer(model, cfg)
     methods = ("grpo", "ar", "lopti", "ar_lopti")
-    others = [m for m in methods if m != own]
     units = []
-    result = {"model": cfg.model, "bins": BIN_NAMES, "paper": PAPER_FIGURES}
+    result = {"model": cfg.model, "bins": BIN_NAMES}
 
-    def probe(batch: dict, logprob_fn: Callable, measure: Callable, before: torch.Tensor) -> dict:
+    def probe(batch: dict, logprob_fn: Callable, measure: Callable, before: Tensor) -> dict:
         if "figure1" not in result:  # in fp32 (no autocast), as its gradients are summed in fp64
             fp32_logprobs = functools.partial(completion_logprobs, model, temperature=cfg.temperature)
             result["figure1"] = measure_bins(cfg.micro_batch_size, model, fp32_logprobs, batch)
         if steps:
+            others = [m for m in methods if m != own]
             units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure, before, others))
         return {}
 
@@ -1856,16 +1799,15 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     for method, counts in pooled.items() if steps else ():
         shares = figure3_shares(counts)
         line = f"{method}: rose {fmt_list(shares['rose'])}, ties {fmt_list(shares['ties'])}"
-        delta = result["figure3_paired"]["delta_vs_grpo"].get(method)
-        if delta:
-            line += f", minus GRPO's {fmt_list(delta['delta'], '+.3f')}"
+        if method != "grpo":
+            line += f", minus GRPO's {fmt_list(result['figure3_paired']['delta_vs_grpo'][method]['delta'], '+.3f')}"
         print(line)
     return result
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
-    """Reward, format errors, zero-spread groups and greedy accuracy (the constant answer's dashed) per
-    step."""
+    """Reward, format errors, zero-spread groups and greedy accuracy (the constant answer's dashed)
+    per step."""
     try:  # matplotlib is optional: only this command draws
         import matplotlib
         matplotlib.use("Agg")
@@ -1876,10 +1818,9 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     for i, run in enumerate(runs):
         records = read_jsonl(run / "metrics.jsonl")
         cfg = json.loads((run / "config.json").read_text())
-        label = f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})"
         for ax, key in zip(axes, ("reward", "format_error", "zero_std_groups", "eval/accuracy")):
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            ax.plot(*zip(*points), c=f"C{i}", label=label)
+            ax.plot(*zip(*points), c=f"C{i}", label=f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})")
             ax.set(title=key, xlabel="RL step")
         constant = [(r["step"], r["eval/constant_accuracy"]) for r in records if "eval/constant_accuracy" in r]
         axes[3].plot(*zip(*constant), c=f"C{i}", ls="--")
@@ -1888,8 +1829,8 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
-# --- TRL: LoptiGRPOTrainer, AR and Lopti inside trl.GRPOTrainer (pip install trl; tested with 1.16.0), for
-# multi-GPU runs, DeepSpeed and vLLM. Only what TRL cannot do itself: pi_old, AR, the Lopti stages, the loss.
+# --- TRL: LoptiGRPOTrainer, AR and Lopti inside trl.GRPOTrainer (pip install trl; tested with 1.16.0)
+# for multi-GPU runs, DeepSpeed and vLLM. Only what TRL cannot do: pi_old, AR, Lopti's stages, the loss.
 
 
 @functools.cache
@@ -1897,39 +1838,35 @@ def _lopti_grpo_trainer_class():
     from trl import GRPOTrainer
 
     class LoptiGRPOTrainer(GRPOTrainer):
-        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1). Lopti replays each generation batch
-        through TRL's num_iterations, doubled on a copy of `args`: max_steps counts both passes. Needs
-        loss_type="dapo" (the token-mean). Unlike update_policy, TRL steps on a zero gradient and divides
-        A by std + 1e-4."""
+        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1). Lopti replays each generation
+        batch through TRL's num_iterations, doubled on a copy of `args` (max_steps counts both
+        passes). Needs loss_type="dapo", the token-mean. Unlike update_policy, TRL steps on a zero
+        gradient and divides A by std + 1e-4."""
 
         def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
                      lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
-            Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)  # checks them
-            assert args.loss_type == "dapo", "LoptiGRPOTrainer's loss is the token-mean: GRPOConfig(loss_type='dapo')"
-            defaults = {"importance_sampling_level": "token", "delta": None, "top_entropy_quantile": 1.0,
-                        "off_policy_mask_threshold": None}  # TRL options this loss does not apply
+            Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)  # checks
+            assert args.loss_type == "dapo", "LoptiGRPOTrainer's loss is the token-mean: loss_type='dapo'"
+            unapplied = {"importance_sampling_level": "token", "delta": None, "top_entropy_quantile": 1.0,
+                         "off_policy_mask_threshold": None}  # TRL options this loss does not apply
             if args.use_vllm:
-                defaults["vllm_importance_sampling_correction"] = False
-            ignored = {k: getattr(args, k, v) for k, v in defaults.items() if getattr(args, k, v) != v}
+                unapplied["vllm_importance_sampling_correction"] = False
+            ignored = {k: getattr(args, k, v) for k, v in unapplied.items() if getattr(args, k, v) != v}
             assert not ignored, f"LoptiGRPOTrainer's loss does not apply {ignored}"
             assert not lopti or args.steps_per_generation % args.gradient_accumulation_steps == 0, \
                 "with Lopti, steps_per_generation must be a multiple of gradient_accumulation_steps"
             if lopti:
                 args = copy.copy(args)
                 args.num_iterations *= 2
-            self.alpha = alpha
-            self.lopti = lopti
-            self.eta = eta
-            self.lopti_order = lopti_order
+            self.alpha, self.lopti, self.eta, self.lopti_order = alpha, lopti, eta, lopti_order
             self.dual_clip = dual_clip
             super().__init__(model, reward_funcs, args=args, **kwargs)
 
-        def _logps(self, model, batch: dict, **kwargs) -> torch.Tensor:
-            """(B, T) log-probs at T: TRL's head divides by it."""
+        def _logps(self, model, batch: dict, **kwargs) -> Tensor:  # (B, T) at T: TRL's head divides by it
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-            num_completion = batch["completion_ids"].shape[1]
-            return self._get_per_token_logps_and_entropies(model, ids, mask, num_completion, **kwargs)[0]
+            C = batch["completion_ids"].shape[1]
+            return self._get_per_token_logps_and_entropies(model, ids, mask, C, **kwargs)[0]
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
@@ -1940,8 +1877,7 @@ def _lopti_grpo_trainer_class():
                     out["old_per_token_logps"] = self._logps(self.model, out, batch_size=batch_size)
             old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))  # (B, T)
             out["advantages"] = reweight_advantages(out["advantages"], old, self.alpha)  # (B, T): Eq. 4
-            # Lopti's split (carried by TRL to each micro-step); without Lopti every token
-            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # (B, T)
+            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # TRL carries it
             return out
 
         def _compute_loss(self, model, inputs):
@@ -1954,18 +1890,16 @@ def _lopti_grpo_trainer_class():
                 first_half = replay < self.num_iterations // 2
                 low_stage = first_half if self.lopti_order == "low_first" else not first_half
                 stage = low if low_stage else mask & ~low
-            # TRL's "dapo" denominator per process (DDP averages) and optimiser step: the generation batch's
-            # tokens spread over its optimiser steps, in both stages (update_policy's mini-batch count, on
-            # average)
+            # TRL's "dapo" denominator per process (DDP averages) and optimiser step: the generation
+            # batch's tokens spread over its optimiser steps, in both stages (update_policy's, on average)
             denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if self.model.training:
                 denom = denom * self.current_gradient_accumulation_steps / self.args.steps_per_generation
             logprobs = self._logps(model, inputs)  # (b, T)
             old = inputs.get("old_per_token_logps", logprobs.detach())
             loss, _ = policy_loss(logprobs, old, inputs["advantages"] * stage, mask, epsilon=self.epsilon_low,
-                                  epsilon_high=self.epsilon_high, dual_clip=self.dual_clip,
-                                  ref_logprobs=inputs.get("ref_per_token_logps"), beta=self.beta,
-                                  kl_mask=stage, num_tokens=denom)
+                                  epsilon_high=self.epsilon_high, dual_clip=self.dual_clip, beta=self.beta,
+                                  ref_logprobs=inputs.get("ref_per_token_logps"), kl_mask=stage, num_tokens=denom)
             return loss
 
     return LoptiGRPOTrainer
@@ -1981,21 +1915,23 @@ def __getattr__(name: str):
 # ====== The command line: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] [--field value] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, a 20x learning rate, no
-    # reference model, and a 20-step warm-up on the solver's case analysis: pure RL on K&K stalls at this size
+    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, a 20x learning
+    # rate, no reference model, and a 20-step warm-up on the solver's case analysis: pure RL on K&K
+    # stalls at this size
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
                 prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=2e-5, warmup_steps=20, stop_at_answer=True,
                 eval_size=64, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
-    # a free Colab T4 (15 GB, fp32: no bf16): Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512 tokens, no
-    # reference model, the laptop's warm-up, 2-4 people (a case analysis of 5 people is ~1k tokens). Never
-    # run on a GPU: README
+    # a free Colab T4 (15 GB, fp32: no bf16): Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512
+    # tokens, no reference model, the laptop's warm-up, 2-4 people (a case analysis of 5 people is
+    # ~1k tokens). Never run on a GPU: README
     "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-4", steps=100, prompts_per_step=4,
                   num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
                   warmup_steps=20, gradient_checkpointing=True, eval_every=25, save_every=25,
                   output_dir="runs/colab"),
-    # one 80 GB GPU: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and length, 150 steps.
-    # Under bf16 Figure 3's measurement is two fp32 forwards, estimated at 0.65-1.2x a step (H100-A100): off
+    # one 80 GB GPU: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and length,
+    # 150 steps. Under bf16 Figure 3's measurement is two fp32 forwards, estimated at 0.65-1.2x a
+    # step (H100-A100): off
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
                 generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
                 measure_update=False, output_dir="runs/gpu"),
@@ -2055,8 +1991,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: dict) -> Config:
-    """Defaults < preset < explicit flags; with --resume the run's config.json replaces the defaults and
-    preset."""
+    """Defaults < preset < explicit flags; with --resume the run's config.json replaces the defaults
+    and preset."""
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     base = PRESETS[args["preset"]] if "preset" in args else {}
     if args.get("resume"):
@@ -2090,8 +2026,8 @@ def toy_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line. A bad value or file is one line and exit 2; out of memory is one line naming the
-    settings to lower; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
+    """The command line. A bad value or file is one line and exit 2; out of memory is one line
+    naming the settings to lower; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
     args = build_parser().parse_args(argv)
     datasets.disable_progress_bars()
     try:
