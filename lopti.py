@@ -1251,10 +1251,9 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
 
 
 def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0):
-    """`n` puzzles with exactly one solution, of num_people (an int, or (lo, hi) drawn per puzzle),
-    no statements repeated, as in the benchmark. Rows in its schema: quiz, names, solution (True =
-    knight), solution_text, solution_text_format (the reward's truth), statements (a repr),
-    num_people."""
+    """`n` puzzles with one solution each and no statements repeated, of num_people (an int, or (lo,
+    hi) drawn per puzzle), in the benchmark's schema: quiz, names, solution (True = knight),
+    solution_text, solution_text_format (the reward's truth), statements (a repr), num_people."""
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= KK_MAX_PEOPLE, f"num_people must lie within 2..8, got {num_people}"
     rng = random.Random(seed)
@@ -1484,8 +1483,8 @@ def load_tokenizer(name: str):
 
 
 def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
-    """The policy from `start` (a checkpoint) or cfg.model, warmed up unless from a run; its
-    tokenizer; the frozen reference model, cfg.model before any warm-up (None when beta = 0)."""
+    """The policy from checkpoint `start` or cfg.model, warmed up unless from a run; its tokenizer;
+    the frozen reference model, cfg.model before any warm-up (None when beta = 0)."""
     source = str(start or cfg.model)
     model = load_model(source, device)
     tokenizer = load_tokenizer(source)
@@ -1501,10 +1500,9 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
 
 
 def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
-    """The supervised warm-up (ours, for small models: the paper's 3B needs none, and pure RL on K&K
-    stalls below ~1.5B): cfg.warmup_steps AdamW steps of cross-entropy on kk_case_analysis + EOS,
-    prompts_per_step puzzles each (warmup_puzzles). AdamW whatever cfg.optimizer says: at this
-    learning rate SGD would warm nothing."""
+    """The supervised warm-up (ours: the paper's 3B needs none; pure RL on K&K stalls below ~1.5B):
+    cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles each.
+    AdamW whatever cfg.optimizer says: at this learning rate SGD would warm nothing."""
     rows = warmup_puzzles(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_learning_rate, weight_decay=cfg.weight_decay)
     model.train()
@@ -1650,9 +1648,8 @@ def evaluated(out: Path, step: int) -> bool:
 
 
 class StopOnSignal:
-    """While a run trains, a first Ctrl-C or SIGTERM sets `signum`: the run finishes its step, saves
-    and exits 128 + signum. A second one aborts at once (KeyboardInterrupt), keeping the last
-    checkpoint."""
+    """A first Ctrl-C or SIGTERM sets `signum`: the run finishes its step, saves, exits 128 + signum.
+    A second one aborts at once (KeyboardInterrupt), keeping the last checkpoint."""
 
     def __enter__(self):
         self.signum = 0
@@ -1675,8 +1672,8 @@ class StopOnSignal:
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
     """Greedy accuracy (share of reward 3) and mean reward per size, the best constant answer's
-    accuracy, each puzzle's outcome (eval/correct, "0110..."), and with a `twin` column the accuracy
-    on the puzzles without a logical twin in training."""
+    accuracy, each puzzle's outcome (eval/correct: "0110..."), and the accuracy on puzzles without a
+    logical twin in training (with a `twin` column)."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]

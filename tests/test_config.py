@@ -35,14 +35,15 @@ def test_only_the_small_model_presets_warm_up():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("alpha", 1.5), ("alpha", math.nan), ("eta", 0.0), ("eta", 1.01), ("lopti_order", "sideways"),
+    ("alpha", 1.5), ("alpha", math.nan), ("learning_rate", math.inf), ("beta", math.inf), ("temperature", math.inf),
+    ("warmup_learning_rate", -math.inf), ("eta", 0.0), ("eta", 1.01), ("lopti_order", "sideways"),
     ("epsilon", -0.1), ("dual_clip", 1.0), ("beta", -1e-3), ("learning_rate", 0.0),
     ("temperature", math.nan), ("max_grad_norm", -1.0), ("steps", 0), ("save_every", -1),
     ("generation_batch_size", -2), ("num_people", "1-3"), ("num_people", "3-9"), ("num_people", "5-3"),
     ("num_people", "three"), ("optimizer", "adam"), ("mini_batch_size", 100), ("mini_batch_size", 0),
     ("warmup_steps", -1), ("seed", -3)])
 def test_bad_values_are_refused_with_the_fields_name(field, value):
-    """nan, out of range, a bad name: one ValueError naming the field (a flag's type is argparse's check)."""
+    """nan, infinity, out of range, a bad name: one ValueError naming the field (a flag's type is argparse's check)."""
     with pytest.raises(ValueError, match=field):
         Config(**{field: value})
 

@@ -428,10 +428,16 @@ def test_a_trainer_state_that_pickles_code_is_refused(trained_run, tmp_path, rew
 
 
 def data_file(tmp_path: Path, kind: str) -> Path:
-    """A K&K file that is not JSON, or whose second row's solution is not its puzzle's."""
+    """A K&K file that is not JSON, whose second row's solution is not its puzzle's, or whose second row names 30
+    people (a solver would try 2^30 worlds)."""
     path, good = tmp_path / f"{kind}.jsonl", (DATA / "3ppl_20.jsonl").read_text().splitlines()
     if kind == "not_json":
         path.write_text(good[0] + "\n" + good[1][:50] + "\n")
+    elif kind == "thirty_people":
+        row = json.loads(good[1])
+        row["statements"] = [["telling-truth", i % 30] for i in range(1, 31)]
+        row["solution_text_format"] = "\n".join(f"({i}) {n} is a knight" for i, n in enumerate(lopti.KK_NAMES[:30]))
+        path.write_text(good[0] + "\n" + json.dumps(row) + "\n")
     else:
         row = json.loads(good[1])
         row["solution_text_format"] = row["solution_text_format"].replace("knight", "KNAVE").replace(
@@ -442,14 +448,16 @@ def data_file(tmp_path: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("flag,value,named", [
     ("alpha", "1.5", "alpha"), ("num_people", "3-9", "num_people"), ("micro_batch_size", "3", "mini_batch_size"),
-    ("learning_rate", "nan", "learning_rate"), ("steps", "ten", "--steps"), ("lopti", "maybe", "--lopti"),
+    ("learning_rate", "nan", "learning_rate"), ("learning_rate", "inf", "learning_rate"), ("beta", "inf", "beta"),
+    ("steps", "ten", "--steps"), ("lopti", "maybe", "--lopti"),
     ("preset", "huge", "--preset"), ("train_data", "not_json", "not_json.jsonl"),
+    ("train_data", "thirty_people", "more than 8 people"),
     ("train_data", "wrong_solution", "row 1"), ("eval_data", "wrong_solution", "wrong_solution.jsonl"),
     ("train_data", "missing.jsonl", "missing.jsonl")])
 def test_a_bad_value_or_data_file_is_one_line_exit_2_and_writes_nothing(flag, value, named, tiny_model_dir, tmp_path,
                                                                          capsys, monkeypatch):
     monkeypatch.setattr(lopti, "load_model", lambda *a, **k: pytest.fail("checked after loading the model"))
-    if value in ("not_json", "wrong_solution"):
+    if value in ("not_json", "wrong_solution", "thirty_people"):
         value = str(data_file(tmp_path, value))
     out = tmp_path / "run"
     assert run_main(train_argv(tiny_model_dir, out, f"--{flag}", value)) == 2
