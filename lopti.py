@@ -1294,7 +1294,7 @@ def _as_tuples(x):
 
 def _kk_row(row: dict) -> dict:
     """A loaded row in kk_generate's schema, checked: its statements have exactly its solution."""
-    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # where Logic-RL's rows keep them
+    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL's rows keep them here
     text_format = row.get("solution_text_format") or truth.get("solution_text_format")
     statements = row.get("statements") or truth.get("statements")
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
@@ -1305,7 +1305,7 @@ def _kk_row(row: dict) -> dict:
     names = list(roles)
     solution = [role == "knight" for role in roles.values()]
     if not row["quiz"] or len(names) < 2 or kk_solve(statements) != [solution]:
-        raise ValueError(f"no quiz or people, or statements without the unique solution {text_format!r}")
+        raise ValueError(f"no quiz or people, or not the statements' unique solution: {text_format!r}")
     return {"quiz": row["quiz"], "names": names, "solution": solution, "statements": statements,
             "solution_text": row.get("solution_text") or _kk_solution_texts(names, solution)[0],
             "solution_text_format": text_format, "num_people": len(names)}
@@ -1321,12 +1321,13 @@ def kk_load(source: str) -> datasets.Dataset:
     try:
         if suffix in (".parquet", ".jsonl", ".json"):
             builder = "parquet" if suffix == ".parquet" else "json"
-            ds = datasets.load_dataset(builder, data_files=str(Path(source).expanduser()), split="train")
+            path = str(Path(source).expanduser())
+            ds = datasets.load_dataset(builder, data_files=path, split="train")
         else:
             name, _, selection = source.partition(":")
             config, _, split = selection.rpartition("/")
             ds = datasets.load_dataset(name, config or None, split=split or "train")
-    except Exception as e:  # (no file, bad JSON or parquet, no network: datasets' errors name little)
+    except Exception as e:  # no file, bad JSON or parquet, no network: datasets' errors name little
         raise ValueError(f"cannot read K&K puzzles from {source!r} ({_first_line(e)})") from e
     rows = []
     for i, row in enumerate(ds):
@@ -1341,18 +1342,18 @@ def kk_load(source: str) -> datasets.Dataset:
 
 def kk_case_analysis(row: dict) -> str:
     """The solver's case analysis of a puzzle, as a completion after THINK_PREFIX: the warm-up's
-    target. E.g. " Emma knight, Liam knight: Emma lies. ... Emma knave, Liam knight: all fit.
-    </think><answer> (1) Emma is a knave ... </answer>"."""
+    target. One line per assignment of roles, in the benchmark's order: each speaker's statement true
+    or false under it, and whether that fits every role. E.g. " Emma knight, Liam knight: Emma says
+    false, Liam says true: no. ... </think><answer> (1) Emma is a knight ... </answer>"."""
     statements = ast.literal_eval(row["statements"])
     names = row["names"]
     cases = []
     for world in itertools.product((True, False), repeat=len(names)):
         roles = ", ".join(f"{name} {'knight' if knight else 'knave'}" for name, knight in zip(names, world))
-        liars = [i for i, s in enumerate(statements) if _kk_true(s, world) != world[i]]
-        verdict = "all fit"
-        if liars:
-            verdict = f"{names[liars[0]]} {'lies' if world[liars[0]] else 'tells the truth'}"
-        cases.append(f"{roles}: {verdict}.")
+        truths = [_kk_true(statement, world) for statement in statements]
+        said = ", ".join(f"{name} says {'true' if true else 'false'}" for name, true in zip(names, truths))
+        fits = truths == list(world)  # knights say true, knaves say false
+        cases.append(f"{roles}: {said}: {'yes' if fits else 'no'}.")
     return f" {' '.join(cases)} </think><answer> {row['solution_text_format']} </answer>"
 
 
@@ -1366,7 +1367,7 @@ def _kk_relabel(statement: tuple, order) -> tuple:
 
 
 def _kk_renamed(statements: tuple, order) -> tuple:
-    """The puzzle with person i renamed order[i]: speaker i's statement becomes speaker order[i]'s."""
+    """The puzzle with person i renamed order[i]: speaker i's statement is speaker order[i]'s."""
     renamed = [None] * len(statements)
     for speaker, statement in enumerate(statements):
         renamed[order[speaker]] = _kk_relabel(statement, order)
@@ -1375,14 +1376,17 @@ def _kk_renamed(statements: tuple, order) -> tuple:
 
 def _kk_outline(statements: tuple) -> tuple:
     """What any renaming keeps: the statements with each one's speaker as 0, everyone else as 1."""
-    n = len(statements)
-    return tuple(sorted(_kk_relabel(s, [int(p != i) for p in range(n)]) for i, s in enumerate(statements)))
+    outlines = []
+    for speaker, statement in enumerate(statements):
+        others_as_one = [int(person != speaker) for person in range(len(statements))]
+        outlines.append(_kk_relabel(statement, others_as_one))
+    return tuple(sorted(outlines))
 
 
 def kk_twins(rows, others) -> list[bool]:
     """For each puzzle of `rows`, whether `others` holds a logical twin: the same statements up to
     names (a renaming of the people makes them equal, the operands of and, or, <=> in any order).
-    2-person puzzles fall into 95 such classes. Renamings are tried only on puzzles of one outline."""
+    2-person puzzles fall into 95 such classes. Renamings are tried within an outline."""
     seen = collections.defaultdict(set)  # outline -> puzzles
     for text in others["statements"]:
         statements = ast.literal_eval(text)
@@ -1420,7 +1424,7 @@ def load_task_data(cfg: Config):
     else:
         train = kk_load(cfg.train_data)
     if cfg.eval_data == "generate":
-        sizes = [kk_generate(cfg.eval_size, n, seed=cfg.seed + 1_000_003 + n) for n in range(lo, hi + 1)]
+        sizes = [kk_generate(cfg.eval_size, n, cfg.seed + 1_000_003 + n) for n in range(lo, hi + 1)]
         evals = datasets.concatenate_datasets(sizes)
     else:
         evals = kk_load(cfg.eval_data)
@@ -1444,7 +1448,7 @@ def pick_device() -> torch.device:
 
 
 def has_bf16(device: torch.device) -> bool:
-    """A GPU with native bf16 (a T4 has none: fp32). LOPTI_CPU_BF16=1: the bf16 path on CPU, for tests."""
+    """A GPU with native bf16 (a T4 has none: fp32). LOPTI_CPU_BF16=1: the bf16 path on CPU (tests)."""
     if device.type == "cpu":
         return os.environ.get("LOPTI_CPU_BF16") == "1"
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -1504,14 +1508,16 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
     cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles each.
     AdamW whatever cfg.optimizer says: at this learning rate SGD would warm nothing."""
     rows = warmup_puzzles(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_learning_rate, weight_decay=cfg.weight_decay)
+    lr, decay = cfg.warmup_learning_rate, cfg.weight_decay
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
     model.train()
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
         pairs = []  # (prompt, target) token ids
-        for row in rows.select(range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)):
-            prompt = tokenizer(kk_prompt(tokenizer, row["quiz"]), add_special_tokens=False).input_ids
-            target = tokenizer(kk_case_analysis(row) + tokenizer.eos_token, add_special_tokens=False).input_ids
-            pairs.append((prompt, target))
+        first = step * cfg.prompts_per_step
+        for row in rows.select(range(first, first + cfg.prompts_per_step)):
+            prompt = kk_prompt(tokenizer, row["quiz"])
+            target = kk_case_analysis(row) + tokenizer.eos_token
+            pairs.append([tokenizer(text, add_special_tokens=False).input_ids for text in (prompt, target)])
         L = max(len(p + t) for p, t in pairs)
         C = max(len(t) for _, t in pairs)
         pad = tokenizer.pad_token_id  # left-padded, as generate() pads

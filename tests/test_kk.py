@@ -540,21 +540,25 @@ def test_prompt_without_chat_template_raises():
 
 
 def test_case_analysis_golden_and_every_demonstration_scores_3():
-    """The warm-up's target: each assignment in the benchmark's order with the first speaker it contradicts, then
-    the solution; Logic-RL's reward gives every demonstration 3."""
+    """The warm-up's target: each assignment in the benchmark's order with the truth of each speaker's statement
+    under it and whether that fits (knights true, knaves false), then the solution; Logic-RL's reward gives every
+    demonstration 3."""
     statements = (("lying", 1), ("and", ("telling-truth", 0), ("telling-truth", 1)))
     row = {"names": ["Ann", "Bo"], "statements": repr(statements),
            "solution_text_format": "(1) Ann is a knight\n(2) Bo is a knave"}
-    # Ann: "Bo is a knave"; Bo: "Ann and Bo are knights". Knight/knight: Ann's claim is false. Knight/knave: both
-    # fit. Knave/knight: Bo's claim is false. Knave/knave: Ann's claim would be true.
+    # Ann: "Bo is a knave"; Bo: "Ann and Bo are knights". Knight/knight: Ann false, Bo true. Knight/knave: Ann true,
+    # Bo false: fits. Knave/knight: Ann false, Bo false. Knave/knave: Ann true, Bo false.
     assert lopti.kk_solve(row["statements"]) == [[True, False]]
     assert lopti.kk_case_analysis(row) == (
-        " Ann knight, Bo knight: Ann lies. Ann knight, Bo knave: all fit. Ann knave, Bo knight: Bo lies."
-        " Ann knave, Bo knave: Ann tells the truth. </think><answer> (1) Ann is a knight\n(2) Bo is a knave </answer>")
+        " Ann knight, Bo knight: Ann says false, Bo says true: no. Ann knight, Bo knave: Ann says true, Bo says"
+        " false: yes. Ann knave, Bo knight: Ann says false, Bo says false: no. Ann knave, Bo knave: Ann says true,"
+        " Bo says false: no. </think><answer> (1) Ann is a knight\n(2) Bo is a knave </answer>")
     rows = lopti.kk_generate(30, (2, 5), seed=11)
     for i in range(len(rows)):
         r = {k: rows[k][i] for k in rows.column_names}
-        assert lopti.kk_reward(lopti.THINK_PREFIX + lopti.kk_case_analysis(r), r["solution_text_format"]) == 3.0
+        analysis = lopti.kk_case_analysis(r)
+        assert lopti.kk_reward(lopti.THINK_PREFIX + analysis, r["solution_text_format"]) == 3.0
+        assert analysis.count(": yes.") == 1 and analysis.count(": no.") == 2 ** r["num_people"] - 1
 
 
 # --- the evaluation that can tell: logical twins, and McNemar's exact test of RL's gain over step 0
