@@ -241,7 +241,8 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
                    chunk_elems: int = 2**24) -> Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in
     chunks of ~chunk_elems logits. The softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest,
-    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none."""
+    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none.
+    (For hidden states and an output layer: hidden_logprobs.)"""
     return _logprobs_in_chunks(logits, tokens, temperature, None, chunk_elems)
 
 
@@ -1190,7 +1191,9 @@ def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
         return not values[0]
     if op == "->":
         return not values[0] or values[1]
-    return values[0] == values[1]  # "<=>"
+    if op == "<=>":
+        return values[0] == values[1]
+    raise ValueError(f"unknown statement {op!r}")
 
 
 def kk_solve(statements) -> list[list[bool]]:
@@ -1342,8 +1345,8 @@ def kk_load(source: str) -> datasets.Dataset:
 
 def kk_case_analysis(row: dict) -> str:
     """The solver's case analysis of a puzzle, as a completion after THINK_PREFIX: the warm-up's
-    target. One line per assignment of roles, in the benchmark's order: each speaker's statement true
-    or false under it, and whether that fits every role. E.g. " Emma knight, Liam knight: Emma says
+    target. One sentence per assignment of roles, in the benchmark's order: each speaker's statement
+    true or false under it, and whether that fits every role. E.g. " Emma knight, Liam knight: Emma says
     false, Liam says true: no. ... </think><answer> (1) Emma is a knight ... </answer>"."""
     statements = ast.literal_eval(row["statements"])
     names = row["names"]
@@ -1545,11 +1548,12 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
 
 # --- Run files, checkpoints, resume and signals
 
-# What --resume may change: schedule, evaluation, memory settings (the same steps up to float
-# rounding), the folder's place, and the learning rate (to continue a run that diverged).
-RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_data", "eval_size", "eval_batch_size",
-                     "micro_batch_size", "generation_batch_size", "gradient_checkpointing", "measure_update",
-                     "learning_rate", "output_dir")
+# What --resume may change: the schedule, memory settings (the same steps up to float rounding), the
+# folder's place, and the learning rate (to continue a run that diverged). Not the evaluation's
+# puzzles: RL's gain is measured against step 0's, puzzle by puzzle.
+RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
+                     "generation_batch_size", "gradient_checkpointing", "measure_update", "learning_rate",
+                     "output_dir")
 
 
 def read_jsonl(path: Path) -> list[dict]:

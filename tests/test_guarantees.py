@@ -320,7 +320,8 @@ def test_resume_refuses_a_folder_that_holds_no_run(what, tiny_model_dir, tmp_pat
 @pytest.mark.parametrize("flag,value", [
     ("alpha", "0.1"), ("lopti", "false"), ("eta", "0.3"), ("lopti_order", "high_first"), ("beta", "0"),
     ("epsilon_high", "0.2"), ("temperature", "1.0"), ("num_generations", "2"), ("optimizer", "sgd"),
-    ("warmup_steps", "3"), ("max_completion_length", "8"), ("seed", "1"), ("model", "some/other-model")])
+    ("warmup_steps", "3"), ("max_completion_length", "8"), ("seed", "1"), ("model", "some/other-model"),
+    ("eval_size", "3"), ("eval_data", str(DATA / "3ppl_20.jsonl"))])  # (the evaluation puzzles are step 0's)
 def test_resume_refuses_a_changed_method_setting_before_writing(flag, value, trained_run, capsys, no_loading):
     before = files(trained_run)
     assert run_main(["train", "--resume", "--output_dir", trained_run, f"--{flag}", value, "--steps", "2"]) == 2
@@ -328,8 +329,8 @@ def test_resume_refuses_a_changed_method_setting_before_writing(flag, value, tra
     assert files(trained_run) == before
 
 
-MAY_CHANGE = {"steps": "3", "eval_every": "1", "save_every": "2", "eval_data": str(DATA / "3ppl_20.jsonl"),
-              "eval_size": "3", "eval_batch_size": "2", "micro_batch_size": "1", "generation_batch_size": "4",
+MAY_CHANGE = {"steps": "3", "eval_every": "1", "save_every": "2", "eval_batch_size": "2", "micro_batch_size": "1",
+              "generation_batch_size": "4",
               "gradient_checkpointing": "true", "measure_update": "false", "learning_rate": "1e-4",
               "output_dir": None}  # (output_dir: the run copied to another folder)
 

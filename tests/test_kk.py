@@ -648,3 +648,12 @@ def test_paired_gain_on_hand_made_outcomes():
     assert out == {"eval/gain": pytest.approx(0.2), "eval/gained": 3, "eval/lost": 1,
                    "eval/gain_p": pytest.approx(sign_test_p(3, 1))}
     assert sign_test_p(3, 1) == pytest.approx(2 * 5 / 16)
+
+
+def test_an_unknown_statement_operator_is_a_row_error(tmp_path):
+    """A row whose statement uses an operator the benchmark has not ("xor") is refused, not read as another."""
+    row = json.loads((DATA / "3ppl_20.jsonl").read_text().splitlines()[0])
+    row["statements"] = [["xor", ["telling-truth", 1], ["lying", 2]], ["lying", 0], ["telling-truth", 0]]
+    (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="row 0 is not a K&K puzzle.*unknown statement 'xor'"):
+        kk_load(str(tmp_path / "bad.jsonl"))
