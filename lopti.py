@@ -1922,13 +1922,14 @@ def __getattr__(name: str):
 # ====== The command line: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] [--field value] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, a 20x learning
-    # rate, no reference model, and a 20-step warm-up on the solver's case analysis: pure RL on K&K
-    # stalls at this size
-    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=25,
-                prompts_per_step=4, num_generations=8, max_completion_length=128, mini_batch_size=32,
-                micro_batch_size=8, beta=0.0, learning_rate=2e-5, warmup_steps=20, stop_at_answer=True,
-                eval_size=64, eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
+    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, no reference
+    # model, a learning rate 50x the paper's, and a 60-step warm-up on the solver's case analysis:
+    # pure RL on K&K stalls at this size (toy/README)
+    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=20,
+                prompts_per_step=4, num_generations=8, max_completion_length=160, mini_batch_size=32,
+                micro_batch_size=8, beta=0.0, learning_rate=5e-5, warmup_steps=60,
+                warmup_learning_rate=3e-4, stop_at_answer=True, eval_size=64, eval_every=10,
+                eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
     # a free Colab T4 (15 GB, fp32: no bf16): Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512
     # tokens, no reference model, the laptop's warm-up, 2-4 people (a case analysis of 5 people is
     # ~1k tokens). Never run on a GPU: README
