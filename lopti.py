@@ -1154,8 +1154,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 # ====== A first read can stop here ======
-# The harness: the puzzle generator and loader, the warm-up, models, checkpoints, resume and
-# signals, evaluation, diagnose and its paired statistics, plot, TRL, the command line.
+# The harness: puzzles, warm-up, models, checkpoints, resume, evaluation, diagnose, plot, TRL, CLI.
 
 # --- K&K puzzles: the benchmark's generator and solver, Logic-RL's files
 
@@ -1177,8 +1176,7 @@ KK_MAX_PEOPLE = 8  # a solver tries all 2^n worlds
 
 
 def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
-    """Truth of a statement, e.g. ("and", ("lying", 0), ("telling-truth", 2)), in a world of roles
-    (True = knight)."""
+    """Truth of e.g. ("and", ("lying", 0), ("telling-truth", 2)) in a world (True = knight)."""
     op, *args = statement
     if op in ("telling-truth", "lying"):
         return world[args[0]] == (op == "telling-truth")
@@ -1197,8 +1195,8 @@ def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
 
 
 def kk_solve(statements) -> list[list[bool]]:
-    """Every consistent world (True = knight), in the benchmark's order: person i is a knight iff
-    statement i is true. `statements`: the tuple, or its repr (parsed as a literal, never run)."""
+    """Every world where person i is a knight (True) iff statement i is true, in the benchmark's
+    order. `statements`: the tuple, or its repr (parsed as a literal, never run)."""
     if isinstance(statements, str):
         statements = ast.literal_eval(statements)
     worlds = itertools.product((True, False), repeat=len(statements))
@@ -1207,8 +1205,8 @@ def kk_solve(statements) -> list[list[bool]]:
 
 
 def _kk_statement(rng: random.Random, n: int, speaker: int) -> tuple:
-    """A statement by `speaker`, by the benchmark's grammar: a leaf, not, and, or, ->, <=> (1/6
-    each) over distinct leaves; never "I am a knave"."""
+    """The benchmark's grammar: a leaf, not, and, or, ->, <=> (1/6 each) over distinct leaves;
+    never "I am a knave"."""
     def leaf():
         while True:
             candidate = (rng.choice(("telling-truth", "lying")), rng.randrange(n))
@@ -1228,7 +1226,7 @@ def _kk_statement(rng: random.Random, n: int, speaker: int) -> tuple:
 
 
 def _kk_text(names: list[str], statement: tuple) -> str:
-    """The benchmark's English for one statement."""
+    """The benchmark's English for a statement."""
     def leaf(x, negate=False):
         role = "knight" if x[0] == "telling-truth" else "knave"
         return f"{names[x[1]]} is {'not ' if negate else ''}a {role}"
@@ -1254,9 +1252,8 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
 
 
 def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0):
-    """`n` puzzles with one solution each and no statements repeated, of num_people (an int, or (lo,
-    hi) drawn per puzzle), in the benchmark's schema: quiz, names, solution (True = knight),
-    solution_text, solution_text_format (the reward's truth), statements (a repr), num_people."""
+    """`n` distinct puzzles with one solution each, of num_people (int, or (lo, hi) per puzzle), in
+    the benchmark's schema."""
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= KK_MAX_PEOPLE, f"num_people must lie within 2..8, got {num_people}"
     rng = random.Random(seed)
@@ -1291,13 +1288,12 @@ def _first_line(e: Exception) -> str:
 
 
 def _as_tuples(x):
-    """JSON's nested lists as the tuples they stand for."""
     return tuple(_as_tuples(item) for item in x) if isinstance(x, list) else x
 
 
 def _kk_row(row: dict) -> dict:
-    """A loaded row in kk_generate's schema, checked: its statements have exactly its solution."""
-    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # Logic-RL's rows keep them here
+    """A loaded row in kk_generate's schema; its statements must have exactly its solution."""
+    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # (Logic-RL's rows)
     text_format = row.get("solution_text_format") or truth.get("solution_text_format")
     statements = row.get("statements") or truth.get("statements")
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
@@ -1315,17 +1311,17 @@ def _kk_row(row: dict) -> dict:
 
 
 def kk_load(source: str) -> datasets.Dataset:
-    """K&K puzzles, each row checked, from a .parquet/.jsonl/.json file in the benchmark's or
-    Logic-RL's format, or a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" (e.g.
-    "K-and-K/knights-and-knaves:test/3ppl"). What cannot be read is one ValueError naming it."""
-    suffix = Path(source).suffix.lower()
-    if Path(source).exists() and suffix not in (".parquet", ".jsonl", ".json"):
+    """Checked K&K rows from a .parquet/.jsonl/.json file (the benchmark's or Logic-RL's format) or
+    a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" ("K-and-K/knights-and-knaves:test/3ppl"). What
+    cannot be read is one ValueError naming it."""
+    path = Path(source)
+    is_file = path.suffix.lower() in (".parquet", ".jsonl", ".json")
+    if path.exists() and not is_file:
         raise ValueError(f"{source!r} is not a .parquet, .jsonl or .json file")
     try:
-        if suffix in (".parquet", ".jsonl", ".json"):
-            builder = "parquet" if suffix == ".parquet" else "json"
-            path = str(Path(source).expanduser())
-            ds = datasets.load_dataset(builder, data_files=path, split="train")
+        if is_file:
+            builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
+            ds = datasets.load_dataset(builder, data_files=str(path.expanduser()), split="train")
         else:
             name, _, selection = source.partition(":")
             config, _, split = selection.rpartition("/")
@@ -1344,10 +1340,9 @@ def kk_load(source: str) -> datasets.Dataset:
 
 
 def kk_case_analysis(row: dict) -> str:
-    """The solver's case analysis of a puzzle, as a completion after THINK_PREFIX: the warm-up's
-    target. One sentence per assignment of roles, in the benchmark's order: each speaker's statement
-    true or false under it, and whether that fits every role. E.g. " Emma knight, Liam knight: Emma says
-    false, Liam says true: no. ... </think><answer> (1) Emma is a knight ... </answer>"."""
+    """The warm-up's target, a completion after THINK_PREFIX: per world, in the benchmark's order,
+    each statement's truth and whether it fits, e.g. " Emma knight, Liam knight: Emma says false,
+    Liam says true: no. ... </think><answer> (1) Emma is a knight ... </answer>"."""
     statements = ast.literal_eval(row["statements"])
     names = row["names"]
     cases = []
@@ -1361,7 +1356,7 @@ def kk_case_analysis(row: dict) -> str:
 
 
 def _kk_relabel(statement: tuple, order) -> tuple:
-    """The statement with person i renamed order[i], the operands of and, or and <=> sorted."""
+    """Person i renamed order[i]; the operands of and, or and <=> sorted."""
     op, *args = statement
     if op in ("telling-truth", "lying"):
         return (op, order[args[0]])
@@ -1370,7 +1365,7 @@ def _kk_relabel(statement: tuple, order) -> tuple:
 
 
 def _kk_renamed(statements: tuple, order) -> tuple:
-    """The puzzle with person i renamed order[i]: speaker i's statement is speaker order[i]'s."""
+    """Person i renamed order[i]: speaker i's statement becomes speaker order[i]'s."""
     renamed = [None] * len(statements)
     for speaker, statement in enumerate(statements):
         renamed[order[speaker]] = _kk_relabel(statement, order)
@@ -1387,9 +1382,8 @@ def _kk_outline(statements: tuple) -> tuple:
 
 
 def kk_twins(rows, others) -> list[bool]:
-    """For each puzzle of `rows`, whether `others` holds a logical twin: the same statements up to
-    names (a renaming of the people makes them equal, the operands of and, or, <=> in any order).
-    2-person puzzles fall into 95 such classes. Renamings are tried within an outline."""
+    """Per puzzle of `rows`, whether `others` holds a logical twin: equal after some renaming, the
+    operands of and, or, <=> in any order (2-person puzzles have 95 classes)."""
     seen = collections.defaultdict(set)  # outline -> puzzles
     for text in others["statements"]:
         statements = ast.literal_eval(text)
@@ -1404,8 +1398,8 @@ def kk_twins(rows, others) -> list[bool]:
 
 
 def constant_accuracy(rows) -> float:
-    """The best constant answer's accuracy (per size, the roles by position right most often, e.g.
-    "(1) knave (2) knave"): a model's accuracy means something above it."""
+    """The best constant answer's accuracy (per size, the most common roles): the floor that a
+    model's accuracy must beat."""
     best: dict[int, int] = {}
     for solution, count in collections.Counter(tuple(s) for s in rows["solution"]).items():
         best[len(solution)] = max(best.get(len(solution), 0), count)
@@ -1413,14 +1407,13 @@ def constant_accuracy(rows) -> float:
 
 
 def warmup_puzzles(cfg: Config) -> datasets.Dataset:
-    """The warm-up's puzzles, from a seed of their own: not the RL steps' or the evaluation's."""
     return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, people_range(cfg.num_people),
                        seed=cfg.seed + 2_000_003)
 
 
 def load_task_data(cfg: Config):
-    """Training and evaluation rows; no evaluation puzzle is a training one. The evaluation rows'
-    column `twin`: whether a training or warm-up puzzle is its logical twin (kk_twins)."""
+    """Training and evaluation rows, none in both; evaluation's `twin` column (kk_twins of the
+    training and warm-up puzzles)."""
     lo, hi = people_range(cfg.num_people)
     if cfg.train_data == "generate":
         train = kk_generate(cfg.num_train, (lo, hi), cfg.seed)
@@ -1451,15 +1444,14 @@ def pick_device() -> torch.device:
 
 
 def has_bf16(device: torch.device) -> bool:
-    """A GPU with native bf16 (a T4 has none: fp32). LOPTI_CPU_BF16=1: the bf16 path on CPU (tests)."""
+    """A GPU with native bf16 (not a T4). LOPTI_CPU_BF16=1: the bf16 path on CPU (tests)."""
     if device.type == "cpu":
         return os.environ.get("LOPTI_CPU_BF16") == "1"
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def autocast(device: torch.device, enabled: bool = True):
-    """bf16 autocast where the GPU has it; weights and AdamW's state stay fp32 (bf16 would round away
-    an lr 1e-6 step)."""
+    """bf16 where the GPU has it; weights and AdamW's state stay fp32 (bf16 rounds away lr 1e-6)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and has_bf16(device))
 
 
@@ -1481,7 +1473,6 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
 
 
 def load_tokenizer(name: str):
-    """Left-padding (for generate), with a pad token."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(name)
     tokenizer.padding_side = "left"
@@ -1490,8 +1481,8 @@ def load_tokenizer(name: str):
 
 
 def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
-    """The policy from checkpoint `start` or cfg.model, warmed up unless from a run; its tokenizer;
-    the frozen reference model, cfg.model before any warm-up (None when beta = 0)."""
+    """Policy (checkpoint `start` or cfg.model, warmed up unless from a run), tokenizer, and the
+    frozen reference: cfg.model, not warmed up (None when beta = 0)."""
     source = str(start or cfg.model)
     model = load_model(source, device)
     tokenizer = load_tokenizer(source)
@@ -1507,20 +1498,19 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
 
 
 def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
-    """The supervised warm-up (ours: the paper's 3B needs none; pure RL on K&K stalls below ~1.5B):
-    cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles each.
-    AdamW whatever cfg.optimizer says: at this learning rate SGD would warm nothing."""
+    """Ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B): cfg.warmup_steps steps
+    of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles each. AdamW whatever
+    cfg.optimizer says: at this learning rate SGD would warm nothing."""
     rows = warmup_puzzles(cfg)
-    lr, decay = cfg.warmup_learning_rate, cfg.weight_decay
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    lr = cfg.warmup_learning_rate
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     model.train()
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
         pairs = []  # (prompt, target) token ids
         first = step * cfg.prompts_per_step
         for row in rows.select(range(first, first + cfg.prompts_per_step)):
-            prompt = kk_prompt(tokenizer, row["quiz"])
-            target = kk_case_analysis(row) + tokenizer.eos_token
-            pairs.append([tokenizer(text, add_special_tokens=False).input_ids for text in (prompt, target)])
+            texts = (kk_prompt(tokenizer, row["quiz"]), kk_case_analysis(row) + tokenizer.eos_token)
+            pairs.append([tokenizer(text, add_special_tokens=False).input_ids for text in texts])
         L = max(len(p + t) for p, t in pairs)
         C = max(len(t) for _, t in pairs)
         pad = tokenizer.pad_token_id  # left-padded, as generate() pads
@@ -1537,8 +1527,8 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
 
 
 def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
-    """The rows of step `step` (0-based): slices of per-epoch shuffles of (seed, epoch), so --resume
-    replays them."""
+    """Step `step`'s rows (0-based): slices of per-epoch shuffles seeded by (seed, epoch), so
+    --resume replays them."""
     rows = []
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
         shuffle = torch.Generator().manual_seed(cfg.seed * 100_003 + i // num_rows)  # the epoch's
@@ -1548,16 +1538,15 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
 
 # --- Run files, checkpoints, resume and signals
 
-# What --resume may change: the schedule, memory settings (the same steps up to float rounding), the
-# folder's place, and the learning rate (to continue a run that diverged). Not the evaluation's
-# puzzles: RL's gain is measured against step 0's, puzzle by puzzle.
+# What --resume may change: the schedule, memory settings (the same steps up to rounding), the
+# folder, the learning rate (after a divergence). Not the evaluation's puzzles: the gain is paired.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
                      "generation_batch_size", "gradient_checkpointing", "measure_update", "learning_rate",
                      "output_dir")
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A .jsonl file's records; a line torn by a crash is skipped."""
+    """A line torn by a crash is skipped."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -1573,8 +1562,8 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
-    """Before anything is written: a new run needs an empty or new folder; --resume a run whose
-    settings differ from cfg's only in RESUME_MAY_CHANGE (resolve_config read its config.json)."""
+    """Before anything is written: a new run needs an empty or new folder, --resume a run whose
+    config.json differs only in RESUME_MAY_CHANGE."""
     if not resume and out.exists() and any(out.iterdir()):
         raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else choose a new folder")
     if resume:
@@ -1585,8 +1574,7 @@ def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
 
 
 def start_run_files(out: Path, cfg: Config, start: int) -> None:
-    """config.json, and the logs cut back to step `start`: lines past the checkpoint are redone, so
-    every step is logged once."""
+    """config.json, and the logs cut back to step `start` (later steps are redone, logged once)."""
     out.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "samples.jsonl"):
         kept = [r for r in read_jsonl(out / name) if r["step"] <= start]
@@ -1595,14 +1583,14 @@ def start_run_files(out: Path, cfg: Config, start: int) -> None:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """A run's complete checkpoints, oldest first."""
+    """Complete ones, oldest first."""
     complete = [p for p in out.glob("checkpoint-*") if p.name[11:].isdigit()]
     return sorted(complete, key=lambda p: int(p.name[11:]))
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
-    """out/checkpoint-STEP/ (a folder --model loads, with trainer_state.pt), written as .tmp and
-    renamed, then the older ones removed: a crash at any moment leaves a whole latest checkpoint."""
+    """out/checkpoint-STEP/ (--model loads it; + trainer_state.pt), written as .tmp, renamed, then
+    older ones removed: a crash at any moment leaves a whole latest checkpoint."""
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -1617,8 +1605,8 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
 
 
 def load_trainer_state(ckpt: Path | None) -> dict:
-    """Checkpoint `ckpt`'s step, optimiser and random states ({"step": 0} without one). Tensors and
-    plain data only: a pickle that would run code is refused."""
+    """`ckpt`'s step, optimiser and RNG states ({"step": 0} if None); a pickle that would run code
+    is refused."""
     if ckpt is None:
         return {"step": 0}
     try:
@@ -1639,7 +1627,7 @@ def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
 
 
 def check_finite(model, step: int) -> None:
-    """A step that made a weight NaN or inf is never saved, nor trained on."""
+    """A step that made a weight NaN or inf is neither saved nor trained on."""
     if not all(p.isfinite().all() for p in model.parameters()):
         raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: continue from the last "
                          "checkpoint with --resume --learning_rate LOWER")
@@ -1658,8 +1646,8 @@ def evaluated(out: Path, step: int) -> bool:
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM sets `signum`: the run finishes its step, saves, exits 128 + signum.
-    A second one aborts at once (KeyboardInterrupt), keeping the last checkpoint."""
+    """A first Ctrl-C or SIGTERM sets `signum`: the run ends its step, saves, exits 128 + signum.
+    A second one raises KeyboardInterrupt, keeping the last checkpoint."""
 
     def __enter__(self):
         self.signum = 0
@@ -1677,13 +1665,12 @@ class StopOnSignal:
             signal.signal(s, handler)
 
 
-# --- Evaluation: greedy accuracy, and RL's gain over step 0 puzzle by puzzle
+# --- Evaluation, and RL's gain over step 0 puzzle by puzzle
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
-    """Greedy accuracy (share of reward 3) and mean reward per size, the best constant answer's
-    accuracy, each puzzle's outcome (eval/correct: "0110..."), and the accuracy on puzzles without a
-    logical twin in training (with a `twin` column)."""
+    """Greedy accuracy (reward 3), per size too with the mean reward, constant_accuracy, each
+    puzzle's outcome (eval/correct: "0110..."), and, given a `twin` column, the accuracy without."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
@@ -1706,17 +1693,14 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
 
 
 def sign_test_p(gained: int, lost: int) -> float:
-    """McNemar's exact test: the two-sided p of `gained` against `lost` among the puzzles whose
-    outcome changed, were each change a fair coin. Example: 9 gained, 1 lost -> 2 * (1 + 10) / 2**10
-    = 0.021."""
+    """McNemar's exact two-sided p, each change a fair coin: 9 gained, 1 lost -> 2 * 11 / 2**10."""
     changed = gained + lost
     tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
     return min(1.0, 2 * tail)
 
 
 def paired_gain(before: str, after: str) -> dict:
-    """RL's gain on the same puzzles, from two evaluations' eval/correct: the accuracy difference,
-    the puzzles gained and lost, and McNemar's exact p."""
+    """From two evaluations' eval/correct: the accuracy change, puzzles gained and lost, and p."""
     assert len(before) == len(after), "two evaluations of the same puzzles"
     gained = sum(b == "0" and a == "1" for b, a in zip(before, after))
     lost = sum(b == "1" and a == "0" for b, a in zip(before, after))
@@ -1725,36 +1709,34 @@ def paired_gain(before: str, after: str) -> dict:
 
 
 def log_evaluation(out: Path, step: int, record: dict) -> None:
-    """An evaluation's line in metrics.jsonl; after step 0, with RL's paired gain over step 0's."""
     step_0 = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] == 0 and "eval/correct" in r]
     if step > 0 and step_0:
         record.update(paired_gain(step_0[0]["eval/correct"], record["eval/correct"]))
     append_jsonl(out / "metrics.jsonl", {"step": step, **record})
 
 
-# --- diagnose: Figure 1, and Figure 3 paired along a trajectory, with the paired statistics
+# --- diagnose: Figure 1, and Figure 3 paired along a trajectory
 
 
 def sign_patterns(units: int, resamples: int) -> Tensor:
-    """(S, units) signs: all 2^units patterns up to 12 units, else `resamples` random ones."""
-    if units <= 12:
+    if units <= 12:  # all 2^units patterns, else `resamples` random ones
         return torch.tensor(list(itertools.product((1.0, -1.0), repeat=units)), dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, 2, (resamples, units), generator=generator).double() * 2 - 1
 
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
-    """Per method and bin, from paired_counts of units (steps, or seeds' sums): its share of A > 0
-    tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0 over
-    the units (p: exact up to 12 units, else from random sign patterns). 'resolved' is p < 0.05,
-    which 5 units can never reach (p >= 2/32)."""
-    n = torch.tensor([u[reference]["update/pos_tokens"] for u in units], dtype=torch.float64)  # (U, 4)
-    reference_rose = torch.tensor([u[reference]["update/pos_rose"] for u in units], dtype=torch.float64)
+    """Per method and bin, over units (steps, or seeds' sums) of paired_counts: its share of A > 0
+    tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0.
+    'resolved' is p < 0.05, which 5 units never reach (p >= 2/32)."""
+    def counts(method: str, key: str) -> Tensor:  # (U, 4)
+        return torch.tensor([u[method][f"update/{key}"] for u in units], dtype=torch.float64)
+
+    n = counts(reference, "pos_tokens")
     signs = sign_patterns(len(units), resamples)  # (S, U)
     out = {}
     for method in [m for m in units[0] if m != reference]:
-        rose = torch.tensor([u[method]["update/pos_rose"] for u in units], dtype=torch.float64)  # (U, 4)
-        d = rose - reference_rose  # (U, 4): tokens that rose, minus the reference's
+        d = counts(method, "pos_rose") - counts(reference, "pos_rose")  # (U, 4)
         as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
         if len(units) <= 12:
             p = as_extreme / len(signs)
@@ -1767,9 +1749,9 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
-    """Figure 1 (measure_bins) on cfg.model's first batch; with `steps`, Figure 3 paired along a
-    trajectory of cfg's method (fresh optimiser): each step applies the others of GRPO, AR, Lopti,
-    AR+Lopti (paired_counts), then its own update. Writes the JSON `out`; the model is only read."""
+    """Figure 1 (measure_bins) on the first batch; with `steps`, Figure 3 paired along a trajectory
+    of cfg's method (fresh optimiser): each step tries the other methods (paired_counts), then
+    applies its own. Writes the JSON `out`; cfg.model is only read."""
     cfg = dataclasses.replace(cfg, measure_update=True)
     device = pick_device()
     own = method_name(asdict(cfg))
@@ -1799,7 +1781,8 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
             units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
             pooled = {m: pool_counts([u[m] for u in units]) for m in methods}
             summed = {m: {k.removeprefix("update/"): v for k, v in c.items()} for m, c in pooled.items()}
-            result["figure3_paired"] = {"steps": len(units), "delta_vs_grpo": paired_deltas(units),
+            deltas = paired_deltas(units)
+            result["figure3_paired"] = {"steps": len(units), "delta_vs_grpo": deltas,
                                         "per_step": units, "methods": summed}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -1807,15 +1790,13 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
         shares = figure3_shares(counts)
         line = f"{method}: rose {fmt_list(shares['rose'])}, ties {fmt_list(shares['ties'])}"
         if method != "grpo":
-            line += f", minus GRPO's {fmt_list(result['figure3_paired']['delta_vs_grpo'][method]['delta'], '+.3f')}"
+            line += f", minus GRPO's {fmt_list(deltas[method]['delta'], '+.3f')}"
         print(line)
     return result
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
-    """Reward, format errors, zero-spread groups and greedy accuracy (the constant answer's dashed)
-    per step."""
-    try:  # matplotlib is optional: only this command draws
+    try:  # matplotlib is optional
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -1836,8 +1817,8 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
-# --- TRL: LoptiGRPOTrainer, AR and Lopti inside trl.GRPOTrainer (pip install trl; tested with 1.16.0)
-# for multi-GPU runs, DeepSpeed and vLLM. Only what TRL cannot do: pi_old, AR, Lopti's stages, the loss.
+# --- TRL: AR and Lopti inside trl.GRPOTrainer (pip install trl; tested with 1.16.0) for multi-GPU,
+# DeepSpeed and vLLM. Only what TRL cannot do: pi_old, AR, Lopti's stages, the loss.
 
 
 @functools.cache
@@ -1845,17 +1826,16 @@ def _lopti_grpo_trainer_class():
     from trl import GRPOTrainer
 
     class LoptiGRPOTrainer(GRPOTrainer):
-        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1). Lopti replays each generation
-        batch through TRL's num_iterations, doubled on a copy of `args` (max_steps counts both
-        passes). Needs loss_type="dapo", the token-mean. Unlike update_policy, TRL steps on a zero
-        gradient and divides A by std + 1e-4."""
+        """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1), its stages as TRL's iterations,
+        doubled on a copy of `args` (max_steps counts both). Needs loss_type="dapo" (token-mean).
+        Unlike update_policy, TRL steps on a zero gradient and divides A by std + 1e-4."""
 
         def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
                      lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
             Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)  # checks
             assert args.loss_type == "dapo", "LoptiGRPOTrainer's loss is the token-mean: loss_type='dapo'"
             unapplied = {"importance_sampling_level": "token", "delta": None, "top_entropy_quantile": 1.0,
-                         "off_policy_mask_threshold": None}  # TRL options this loss does not apply
+                         "off_policy_mask_threshold": None}
             if args.use_vllm:
                 unapplied["vllm_importance_sampling_correction"] = False
             ignored = {k: getattr(args, k, v) for k, v in unapplied.items() if getattr(args, k, v) != v}
@@ -1865,26 +1845,26 @@ def _lopti_grpo_trainer_class():
             if lopti:
                 args = copy.copy(args)
                 args.num_iterations *= 2
-            self.alpha, self.lopti, self.eta, self.lopti_order = alpha, lopti, eta, lopti_order
-            self.dual_clip = dual_clip
+            self.alpha, self.lopti, self.eta = alpha, lopti, eta
+            self.lopti_order, self.dual_clip = lopti_order, dual_clip
             super().__init__(model, reward_funcs, args=args, **kwargs)
 
-        def _logps(self, model, batch: dict, **kwargs) -> Tensor:  # (B, T) at T: TRL's head divides by it
+        def _logps(self, model, batch: dict, **kwargs) -> Tensor:  # (B, T), at temperature T
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
             C = batch["completion_ids"].shape[1]
             return self._get_per_token_logps_and_entropies(model, ids, mask, C, **kwargs)[0]
 
         def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
+            out = super()._generate_and_score_completions(inputs)  # TRL: no pi_old for 1 pass
             mask = out["completion_mask"].bool()  # (B, T)
-            if "old_per_token_logps" not in out and (self.alpha > 0 or self.lopti):  # TRL skips it for one pass
+            if "old_per_token_logps" not in out and (self.alpha > 0 or self.lopti):
                 with torch.no_grad():
                     batch_size = self.args.per_device_train_batch_size
                     out["old_per_token_logps"] = self._logps(self.model, out, batch_size=batch_size)
-            old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))  # (B, T)
-            out["advantages"] = reweight_advantages(out["advantages"], old, self.alpha)  # (B, T): Eq. 4
-            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask  # TRL carries it
+            old = out.get("old_per_token_logps", torch.zeros(mask.shape, device=mask.device))
+            out["advantages"] = reweight_advantages(out["advantages"], old, self.alpha)  # (B, T)
+            out["lopti_low"] = lopti_masks(old, mask, self.eta)[0] if self.lopti else mask
             return out
 
         def _compute_loss(self, model, inputs):
@@ -1892,13 +1872,13 @@ def _lopti_grpo_trainer_class():
             low = inputs["lopti_low"]  # (b, T)
             stage = mask
             if self.lopti and self.model.training:
-                # this micro-step's replay of the generation batch: its first half is stage 1
+                # this micro-step's pass over the generation batch: the first half is stage 1
                 replay = self._step // self.args.steps_per_generation % self.num_iterations
                 first_half = replay < self.num_iterations // 2
                 low_stage = first_half if self.lopti_order == "low_first" else not first_half
                 stage = low if low_stage else mask & ~low
             # TRL's "dapo" denominator per process (DDP averages) and optimiser step: the generation
-            # batch's tokens spread over its optimiser steps, in both stages (update_policy's, on average)
+            # batch's tokens over its optimiser steps, both stages (update_policy's, on average)
             denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if self.model.training:
                 denom = denom * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -1913,33 +1893,31 @@ def _lopti_grpo_trainer_class():
 
 
 def __getattr__(name: str):
-    """`lopti.LoptiGRPOTrainer` imports TRL on first use; `import lopti` never does."""
+    """`lopti.LoptiGRPOTrainer` imports TRL on first use; `import lopti` does not."""
     if name == "LoptiGRPOTrainer":
         return _lopti_grpo_trainer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ====== The command line: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] [--field value] ======
+# ====== The command line: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M-Instruct on 2-person puzzles, no reference
-    # model, a learning rate 50x the paper's, and a 60-step warm-up on the solver's case analysis:
-    # pure RL on K&K stalls at this size (toy/README)
+    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M on 2-person puzzles, no reference model, 50x
+    # the paper's learning rate, a 60-step warm-up (pure RL on K&K stalls at this size: toy/README)
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=20,
                 prompts_per_step=4, num_generations=8, max_completion_length=160, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=5e-5, warmup_steps=60,
                 warmup_learning_rate=3e-4, stop_at_answer=True, eval_size=64, eval_every=10,
                 eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
-    # a free Colab T4 (15 GB, fp32: no bf16): Qwen2.5-0.5B-Instruct, 4 x 8 completions of <= 512
-    # tokens, no reference model, the laptop's warm-up, 2-4 people (a case analysis of 5 people is
-    # ~1k tokens). Never run on a GPU: README
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-4", steps=100, prompts_per_step=4,
-                  num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4, beta=0.0,
-                  warmup_steps=20, gradient_checkpointing=True, eval_every=25, save_every=25,
-                  output_dir="runs/colab"),
-    # one 80 GB GPU: Qwen2.5-3B-Instruct (the paper's model) at half the paper's batch and length,
-    # 150 steps. Under bf16 Figure 3's measurement is two fp32 forwards, estimated at 0.65-1.2x a
-    # step (H100-A100): off
+    # a free Colab T4 (15 GB, fp32): Qwen2.5-0.5B, 4 x 8 completions of <= 512 tokens, no reference
+    # model, the laptop's warm-up at a third of its rate (a larger model), 2-3 people (a 4-person
+    # case analysis is ~580 tokens). Never run on a GPU: README
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", steps=100, prompts_per_step=4,
+                  num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4,
+                  beta=0.0, warmup_steps=60, warmup_learning_rate=1e-4, gradient_checkpointing=True,
+                  eval_size=32, eval_every=25, save_every=25, output_dir="runs/colab"),
+    # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length, 150 steps. Figure 3's
+    # measurement (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
                 generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
                 measure_update=False, output_dir="runs/gpu"),
@@ -1959,7 +1937,6 @@ def _parse_bool(text: str) -> bool:
 
 
 def _field_docs() -> dict[str, str]:
-    """Each Config field's docstring, for --help."""
     body = ast.parse(inspect.getsource(Config)).body[0].body
     docs = {}
     for statement, following in zip(body, body[1:]):
@@ -1999,8 +1976,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: dict) -> Config:
-    """Defaults < preset < explicit flags; with --resume the run's config.json replaces the defaults
-    and preset."""
+    """Defaults < preset < explicit flags; --resume: the run's config.json < explicit flags."""
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     base = PRESETS[args["preset"]] if "preset" in args else {}
     if args.get("resume"):
@@ -2014,13 +1990,12 @@ def resolve_config(args: dict) -> Config:
 
 
 def toy_main(args: argparse.Namespace) -> dict:
-    """`python lopti.py toy`: run, print the checks, write results.json to --out."""
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if getattr(args, f.name, None) is not None}
     settings = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
     out = args.out or Path("runs/toy" if given or args.quick else "toy")
     threads = torch.get_num_threads()
     t0 = time.time()
-    torch.set_num_threads(1)  # faster for these small matrices, and the same float sums on every machine
+    torch.set_num_threads(1)  # faster for small matrices; the same float sums on every machine
     try:
         result = run_toy(settings)
     finally:
@@ -2034,8 +2009,8 @@ def toy_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line. A bad value or file is one line and exit 2; out of memory is one line
-    naming the settings to lower; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
+    """A bad value or file: one line, exit 2; out of memory: one line naming the settings to lower,
+    exit 1; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
     args = build_parser().parse_args(argv)
     datasets.disable_progress_bars()
     try:
@@ -2048,17 +2023,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "train":
                 print(f"done: {train(cfg, resume=getattr(args, 'resume', False))}")
             elif args.command == "diagnose":
-                diagnose(cfg, vars(args).get("steps", 0), args.out)  # (only an explicit --steps, not a preset's)
+                diagnose(cfg, vars(args).get("steps", 0), args.out)  # only an explicit --steps
             else:
                 device = pick_device()
                 model = load_model(cfg.model, device)
                 tokenizer = load_tokenizer(cfg.model)
                 eval_rows = load_task_data(cfg)[1]
                 print(json.dumps(evaluate(model, tokenizer, eval_rows, cfg, device), indent=2))
-    except (ValueError, OSError) as e:  # a bad value, file or model name; a folder that is not a run
+    except (ValueError, OSError) as e:  # a bad value, file or model name, or a folder not a run
         print(f"lopti.py {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError, as is CPU's
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError, like CPU's
         if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
             raise
         print(f"lopti.py {args.command}: out of memory: lower --micro_batch_size (update and log-prob passes), "
