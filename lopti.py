@@ -15,9 +15,8 @@ The paper in the code:
     Figure 1, shares and gradient norms    measure_bins (diagnose, the toy)
     Figure 3, A > 0 tokens that rose       update_counts, paired_counts (train, diagnose, the toy)
 
-A first read follows the paper: Config, core maths, the update, Figures 1 and 3, the toy, the K&K
-prompt and reward, one RL step, the training loop. It ends at "A first read can stop here"; the
-harness follows. Sections: grep -n '^# ===' lopti.py.
+A first read follows the paper and ends at "A first read can stop here"; the harness follows.
+Sections: grep -n '^# ===' lopti.py.
 """
 from __future__ import annotations
 
@@ -94,7 +93,7 @@ class Config:
     model: str = "Qwen/Qwen2.5-3B-Instruct"
     """Hub id or local folder of a causal LM with a chat template."""
     prompts_per_step: int = 64
-    """Prompts per RL step; each gets num_generations samples."""
+    """Prompts per RL step."""
     num_generations: int = 8
     """Group size G: samples per prompt."""
     temperature: float = 0.7
@@ -139,7 +138,7 @@ class Config:
     """Seeds data order, sampling and generated puzzles."""
 
     def __post_init__(self):
-        """Every value is checked before anything loads; main prints the error's one line."""
+        """Checked before anything loads; main prints the error's one line."""
         for f in fields(self):
             if isinstance(getattr(self, f.name), float):
                 self._require(f.name, math.isfinite(getattr(self, f.name)), "a finite number")
@@ -178,8 +177,7 @@ def people_range(spec: str) -> tuple[int, int]:
 
 
 # ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split, Prop. 4.2, loss ======
-# Pure tensor functions that never mutate their inputs: copy one into another trainer, with its
-# test.
+# Pure tensor functions that never mutate their inputs: each can be copied out with its test.
 
 
 def broadcast_to_tokens(advantages: Tensor, like: Tensor) -> Tensor:
@@ -241,16 +239,14 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
                    chunk_elems: int = 2**24) -> Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in
     chunks of ~chunk_elems logits. The softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest,
-    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none.
-    (For hidden states and an output layer: hidden_logprobs.)"""
+    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none."""
     return _logprobs_in_chunks(logits, tokens, temperature, None, chunk_elems)
 
 
 def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
                     chunk_elems: int = 2**24) -> Tensor:
     """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer:
-    the (B, T, V) logits never exist whole, and autograd recomputes each chunk's instead of storing
-    them."""
+    the (B, T, V) logits never exist whole."""
     return _logprobs_in_chunks(hidden, tokens, temperature, head, chunk_elems)
 
 
@@ -268,9 +264,9 @@ def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) 
 
 
 def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
-    """Lopti's split of the response tokens (Algorithm 1), made once per RL step for both stages:
-    low = pi_old < eta, high = the rest, two (B, T) masks. (The official seperate_prob = 0 switches
-    to a quantile split, which its scripts never use.)
+    """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest, two
+    (B, T) masks. (The official seperate_prob = 0 switches to a quantile split, which its scripts
+    never use.)
     Example, eta = 0.5: exp(old_logprobs) [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]]
         -> low [[F, T, F, F]], high [[T, F, T, F]]"""
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
@@ -303,8 +299,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                 dual_clip: float = 10.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
                 kl_mask: Tensor | None = None,
                 num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's clipped surrogate with a k3 KL penalty, aggregated token-mean (official:
-    core_algos.py); and the counts of clipped tokens, the KL's sum and the token counts behind them:
+    """GRPO's clipped surrogate with a k3 KL penalty, token-mean (official: core_algos.py); and
+    no-grad sums: clipped tokens, the KL, and the token counts behind them:
 
         ratio = exp(logp - old_logp)
         pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
@@ -312,11 +308,11 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
         loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
 
-    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count for each of its
-    micro-batches (exact accumulation), and in a Lopti stage too: stages are not renormalised, so
-    they add up to GRPO. The dual clip, `kl_mask` per stage, the token-mean (the paper averages each
-    response first) and the shared denominator follow the official code, not the paper's text.
-    (Under FSDP the official token-mean is also averaged across ranks; this is one process.)"""
+    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count, for each of its
+    micro-batches (exact accumulation) and both Lopti stages (not renormalised: they add up to
+    GRPO). The dual clip, `kl_mask` per stage, the token-mean (the paper averages each response
+    first) and the shared denominator follow the official code, not the paper's text. (Under FSDP
+    the official token-mean is also averaged across ranks; this is one process.)"""
     assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
     adv = broadcast_to_tokens(advantages, logprobs)  # (B, T)
     mask = mask.bool()  # (B, T)
@@ -328,14 +324,14 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     # has none), as exp overflows
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # (B, T)
     ratio = log_ratio.clamp(-20, 20).exp()  # (B, T)
-    # The clipped surrogate, then the dual clip on A < 0
+    # The clipped surrogate, then the dual clip
     pg_loss1 = -adv * ratio  # (B, T)
     pg_loss2 = -adv * ratio.clamp(1 - epsilon, 1 + epsilon_high)  # (B, T)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
     pg_loss3 = -adv * dual_clip  # (B, T)
     pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)  # (B, T)
     loss = torch.where(mask, pg_loss, 0.0).sum() / denom
-    # The k3 KL penalty, with the official clamps: log-ratio to [-5, 5], KL to [-10, 10]
+    # The k3 KL penalty, with the official code's clamps
     kl = torch.zeros_like(pg_loss)  # (B, T)
     if ref_logprobs is not None:
         ref_log_ratio = torch.where(kl_mask, ref_logprobs.float() - logprobs.float(), 0.0)  # (B, T)
@@ -355,9 +351,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the official scripts train (betas 0.9/0.999, constant lr), or SGD: p <- p - lr * g.
-    (verl 0.1's constant schedule gives a run's first update_actor call, under Lopti the low pass of
-    step 1, a learning rate of 0; here every pass has cfg.learning_rate.)"""
+    """AdamW as the official scripts train, or SGD: p <- p - lr * g. (verl 0.1's constant schedule
+    gives a run's first update_actor call, under Lopti the low pass of step 1, a learning rate of 0;
+    here every pass has cfg.learning_rate.)"""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
     params = model.parameters()
@@ -367,7 +363,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
 
 def rows_with_gradient(advantages: Tensor, beta: float) -> Tensor:
     """(B,) bool: rows with a non-zero advantage, or all when beta > 0 (the KL term). The rest have
-    no gradient, so they need no pi_old, no forward and no backward."""
+    no gradient: no pi_old, forward or backward."""
     nonzero = (advantages != 0).view(len(advantages), -1).any(1)  # (B,)
     return nonzero | (beta > 0)
 
@@ -392,12 +388,12 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, 
     # Eq. 4 first: Lopti splits the reweighted advantages
     old_logprobs = batch["old_logprobs"]  # (B, T)
     advantages = reweight_advantages(batch["advantages"], old_logprobs, cfg.alpha)  # (B, T)
-    # the tokens of rows with a gradient; other rows are never computed
+    # the tokens of rows with a gradient
     has_gradient = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T)
     metrics = {}
     # Algorithm 1. Stage 1: the low-probability tokens (pi_old < eta) get a complete update pass.
     # Stage 2: the rest get one, from stage 1's weights and optimiser state, with the same pi_old
-    # and split. Without Lopti: one pass over every token.
+    # and split.
     for name, stage_mask in lopti_stages(cfg, mask, old_logprobs):
         stage_advantages = advantages * stage_mask  # (B, T): 0 outside this stage
         pass_metrics = update_pass(cfg, name, logprob_fn, optimizer, batch, stage_advantages,
@@ -424,8 +420,8 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: 
             computed = mini_batch[rows_in_pass[mini_batch]]
             if len(computed) == 0:
                 continue  # ours: no gradient, no step (the official code steps; AdamW still moves)
-            # The token-mean's denominator: every response token of the mini-batch, in both stages
-            # (ours: the official code averages each micro-batch, then divides by their number)
+            # The mini-batch's response tokens, in both stages (ours: the official code averages
+            # each micro-batch, then divides by their number)
             num_tokens = mask[mini_batch].sum()
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
@@ -456,14 +452,12 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: 
 
 
 def divide(total, count) -> float:
-    """total / count as a float; 0 when count is 0."""
     return float(total) / max(float(count), 1.0)
 
 
 # ====== Figures 1 and 3, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
 # Figure 1 (measure_bins): each bin's share of the tokens and its gradient's norm. Figure 3
-# (update_counts): after an update, the share of A > 0 tokens whose probability rose; paired: every
-# method's update from one state and batch (paired_counts).
+# (update_counts, paired_counts): the share of A > 0 tokens whose probability an update raised.
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
 UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")
@@ -511,8 +505,8 @@ def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tenso
                   old_logprobs: Tensor | None = None) -> dict[str, list[int]]:
     """Figure 3 per bin of `old_logprobs` (default `before`): the A > 0 tokens (A before AR) and how
     many rose or fell from `before` to `after` (one pass's log-probs, so an unmoved token compares
-    equal), the A < 0 tokens and how many fell or rose; the rest tied. Counts pool by summing. (The
-    official code counts from bf16 probabilities, ray_trainer.py's "prob_stat".)"""
+    equal), the A < 0 tokens and how many fell or rose; the rest tied. (The official code counts
+    from bf16 probabilities, ray_trainer.py's "prob_stat".)"""
     if old_logprobs is None:
         old_logprobs = before
     bins = bin_masks(old_logprobs, mask)  # (4, B, T)
@@ -537,7 +531,6 @@ def pool_counts(records: list[dict]) -> dict[str, list[int]]:
 
 
 def per_bin(counts: list, totals: list) -> list:
-    """counts / totals per bin; None where a bin is empty."""
     return [c / t if t else None for c, t in zip(counts, totals)]
 
 
@@ -565,8 +558,8 @@ def copy_to_cpu(state):
 def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: dict,
                   measure: Callable[[], Tensor], before: Tensor, methods) -> dict[str, dict]:
     """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch,
-    counted against `before` by `measure()`, then undone bit for bit: a difference between methods
-    is theirs, not their batches' or trajectories'."""
+    then undone bit for bit: a difference between methods is theirs, not their batches' or
+    trajectories'."""
     weights = copy_to_cpu(model.state_dict())
     optimizer_state = copy_to_cpu(optimizer.state_dict())
     counts = {}
@@ -582,7 +575,6 @@ def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: di
 
 
 def global_norm(tensors) -> float:
-    """The norm of all the tensors' elements together, in fp64."""
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
@@ -669,7 +661,7 @@ TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  #
 
 
 class ToyPolicy(torch.nn.Module):
-    """Only W is trained: a rollout's contexts and biases are fixed (sample), a pass is a matmul."""
+    """A rollout's contexts and biases are fixed (sample): a pass is a matmul."""
 
     def __init__(self, s: ToySettings, seed: int):
         super().__init__()
@@ -806,8 +798,7 @@ def fmt_list(xs: list, spec: str = ".3f") -> str:
 
 
 def toy_checks(r: dict) -> list[str]:
-    """What `lopti.py toy` prints: Prop. 4.2 on the sampled tokens, GRPO's Figure 3 decline, each
-    method's own runs, and each paired difference from GRPO."""
+    """The lines `lopti.py toy` prints."""
     p = r["prop_4_2"]
     lo, hi = p["norm_over_rest"]
     holds = "yes" if p["within"] == p["tokens"] else "NO "
@@ -849,8 +840,7 @@ KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>"
 
 
 def kk_prompt(tokenizer, quiz: str) -> str:
-    """The chat template over [system prompt, quiz + "\\n"], then THINK_PREFIX: Logic-RL's prompt
-    byte for byte."""
+    """Logic-RL's prompt, byte for byte."""
     system = {"role": "system", "content": KK_SYSTEM_PROMPT}
     messages = [system, {"role": "user", "content": quiz + "\n"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -858,8 +848,7 @@ def kk_prompt(tokenizer, quiz: str) -> str:
 
 
 def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
-    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex, line
-    by line."""
+    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex."""
     roles = {}
     for line in solution_text_format.split("\n"):
         match = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.IGNORECASE)
@@ -881,7 +870,7 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
     positions = [text.find(tag) for tag in tags]
     if any(text.count(tag) != 1 for tag in tags) or positions != sorted(positions):
         return KK_FORMAT_ERROR
-    # the answer: every person named with a role, and no more roles than people
+    # the answer
     answer = text[positions[2] + len("<answer>"):positions[3]]
     roles_said = answer.lower().count("knight") + answer.lower().count("knave")
     found = {}
@@ -954,7 +943,7 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device, greedy: b
     # top_p 0.8, top_k 20, repetition_penalty 1.05), so ours replaces it while generating
     saved_gen_cfg = model.generation_config
     model.generation_config = gen_cfg
-    chunk = cfg.generation_batch_size or len(prompts)  # chunks bound the KV cache
+    chunk = cfg.generation_batch_size or len(prompts)
     parts = []
     try:
         for i in range(0, len(prompts), chunk):
@@ -1002,7 +991,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_comp
                       temperature: float) -> Tensor:
     """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C).
     Position ids come from the attention mask, as generate() made them: a padded row scores as it
-    would alone. A shared prompt runs once per group; the output layer runs in chunks."""
+    would alone."""
     C = num_completion
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
@@ -1068,8 +1057,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
     if ref_model is not None:
         batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)  # (B, C)
     t2 = time.perf_counter()
-    # Figure 3 compares pi before and after the update by one pass, so an unmoved token compares
-    # equal: pi_old's, or under bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6 moves)
+    # Figure 3's before and after by one pass: pi_old's, or under bf16 an fp32 pass (bf16 rounds by
+    # 0.4 %, more than lr 1e-6 moves)
     fp32 = has_bf16(device)
     measure = functools.partial(batched_logprobs, model, batch, cfg, device, needed, fp32)
     before = measure() if fp32 and cfg.measure_update else batch["old_logprobs"]
@@ -1085,7 +1074,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     metrics = probe(tensors, logprob_fn, measure, before) if probe else {}
     if optimizer is not None:
-        # The update: AR, then GRPO's pass or Lopti's two (Algorithm 1); then its Figure 3
+        # The update (Algorithm 1), then its Figure 3
         metrics.update(update_policy(cfg, logprob_fn, optimizer, tensors))
         if cfg.measure_update:
             t4 = time.perf_counter()
@@ -1107,9 +1096,9 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K: config.json, metrics.jsonl (a line per step and per evaluation),
-    samples.jsonl and checkpoint-STEP/ in cfg.output_dir. Ctrl-C or SIGTERM finishes the step, saves
-    and exits 130 or 143; a second signal aborts at once, keeping the last checkpoint."""
+    """GRPO (+AR, +Lopti) on K&K into cfg.output_dir (metrics.jsonl: a line per step and per
+    evaluation). Ctrl-C or SIGTERM finishes the step, saves and exits 130 or 143; a second signal
+    aborts at once, keeping the last checkpoint."""
     out = Path(cfg.output_dir)
     check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: a run of cfg's method
     device = pick_device()
@@ -1912,10 +1901,11 @@ PRESETS: dict[str, dict] = {
     # a free Colab T4 (15 GB, fp32): Qwen2.5-0.5B, 4 x 8 completions of <= 512 tokens, no reference
     # model, the laptop's warm-up at a third of its rate (a larger model), 2-3 people (a 4-person
     # case analysis is ~580 tokens). Never run on a GPU: README
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", steps=100, prompts_per_step=4,
-                  num_generations=8, max_completion_length=512, mini_batch_size=16, micro_batch_size=4,
-                  beta=0.0, warmup_steps=60, warmup_learning_rate=1e-4, gradient_checkpointing=True,
-                  eval_size=32, eval_every=25, save_every=25, output_dir="runs/colab"),
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", num_train=400, steps=100,
+                  prompts_per_step=4, num_generations=8, max_completion_length=512, mini_batch_size=16,
+                  micro_batch_size=4, beta=0.0, warmup_steps=60, warmup_learning_rate=1e-4,
+                  gradient_checkpointing=True, eval_size=32, eval_every=25, save_every=25,
+                  output_dir="runs/colab"),
     # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length, 150 steps. Figure 3's
     # measurement (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
