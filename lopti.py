@@ -661,7 +661,7 @@ TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  #
 
 
 class ToyPolicy(torch.nn.Module):
-    """A rollout's contexts and biases are fixed (sample): a pass is a matmul."""
+    """Only W is trained; a rollout's contexts and biases are fixed (sample): a pass is a matmul."""
 
     def __init__(self, s: ToySettings, seed: int):
         super().__init__()
@@ -991,7 +991,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_comp
                       temperature: float) -> Tensor:
     """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C).
     Position ids come from the attention mask, as generate() made them: a padded row scores as it
-    would alone."""
+    would alone. A group's shared prompt runs once (prefix_cache), except under checkpointing."""
     C = num_completion
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
@@ -1057,8 +1057,8 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
     if ref_model is not None:
         batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)  # (B, C)
     t2 = time.perf_counter()
-    # Figure 3's before and after by one pass: pi_old's, or under bf16 an fp32 pass (bf16 rounds by
-    # 0.4 %, more than lr 1e-6 moves)
+    # Figure 3's before and after by one pass, so an unmoved token compares equal: pi_old's, or under
+    # bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6 moves)
     fp32 = has_bf16(device)
     measure = functools.partial(batched_logprobs, model, batch, cfg, device, needed, fp32)
     before = measure() if fp32 and cfg.measure_update else batch["old_logprobs"]
@@ -1304,11 +1304,11 @@ def kk_load(source: str) -> datasets.Dataset:
     a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" ("K-and-K/knights-and-knaves:test/3ppl"). What
     cannot be read is one ValueError naming it."""
     path = Path(source)
-    is_file = path.suffix.lower() in (".parquet", ".jsonl", ".json")
-    if path.exists() and not is_file:
+    has_file_suffix = path.suffix.lower() in (".parquet", ".jsonl", ".json")
+    if path.exists() and not has_file_suffix:
         raise ValueError(f"{source!r} is not a .parquet, .jsonl or .json file")
     try:
-        if is_file:
+        if has_file_suffix:
             builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
             ds = datasets.load_dataset(builder, data_files=str(path.expanduser()), split="train")
         else:
@@ -1387,7 +1387,7 @@ def kk_twins(rows, others) -> list[bool]:
 
 
 def constant_accuracy(rows) -> float:
-    """The best constant answer's accuracy (per size, the most common roles): the floor that a
+    """The best constant answer's accuracy (per size, the most common solution, e.g. "(1) knave (2) knave"): the floor that a
     model's accuracy must beat."""
     best: dict[int, int] = {}
     for solution, count in collections.Counter(tuple(s) for s in rows["solution"]).items():
@@ -1487,7 +1487,7 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
 
 
 def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
-    """Ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B): cfg.warmup_steps steps
+    """A supervised warm-up, ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B): cfg.warmup_steps steps
     of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles each. AdamW whatever
     cfg.optimizer says: at this learning rate SGD would warm nothing."""
     rows = warmup_puzzles(cfg)
@@ -1535,7 +1535,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "mi
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A line torn by a crash is skipped."""
+    """A .jsonl file's records; a line torn by a crash is skipped."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -1572,7 +1572,7 @@ def start_run_files(out: Path, cfg: Config, start: int) -> None:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """Complete ones, oldest first."""
+    """A run's complete checkpoints, oldest first."""
     complete = [p for p in out.glob("checkpoint-*") if p.name[11:].isdigit()]
     return sorted(complete, key=lambda p: int(p.name[11:]))
 
@@ -1659,7 +1659,7 @@ class StopOnSignal:
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
     """Greedy accuracy (reward 3), per size too with the mean reward, constant_accuracy, each
-    puzzle's outcome (eval/correct: "0110..."), and, given a `twin` column, the accuracy without."""
+    puzzle's outcome (eval/correct: "0110..."), and, given a `twin` column, the accuracy on puzzles without a twin."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
@@ -1682,7 +1682,8 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
 
 
 def sign_test_p(gained: int, lost: int) -> float:
-    """McNemar's exact two-sided p, each change a fair coin: 9 gained, 1 lost -> 2 * 11 / 2**10."""
+    """McNemar's exact two-sided p over the puzzles whose outcome changed, each change a fair coin:
+    9 gained, 1 lost -> 2 * 11 / 2**10 = 0.021."""
     changed = gained + lost
     tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
     return min(1.0, 2 * tail)
@@ -1838,7 +1839,7 @@ def _lopti_grpo_trainer_class():
             self.lopti_order, self.dual_clip = lopti_order, dual_clip
             super().__init__(model, reward_funcs, args=args, **kwargs)
 
-        def _logps(self, model, batch: dict, **kwargs) -> Tensor:  # (B, T), at temperature T
+        def _logps(self, model, batch: dict, **kwargs) -> Tensor:  # (B, T); TRL's head divides by T
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
             C = batch["completion_ids"].shape[1]
@@ -1900,12 +1901,13 @@ PRESETS: dict[str, dict] = {
                 eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
     # a free Colab T4 (15 GB, fp32): Qwen2.5-0.5B, 4 x 8 completions of <= 512 tokens, no reference
     # model, the laptop's warm-up at a third of its rate (a larger model), 2-3 people (a 4-person
-    # case analysis is ~580 tokens). Never run on a GPU: README
-    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", num_train=400, steps=100,
-                  prompts_per_step=4, num_generations=8, max_completion_length=512, mini_batch_size=16,
-                  micro_batch_size=4, beta=0.0, warmup_steps=60, warmup_learning_rate=1e-4,
-                  gradient_checkpointing=True, eval_size=32, eval_every=25, save_every=25,
-                  output_dir="runs/colab"),
+    # case analysis is ~580 tokens), 400 training puzzles (4,480 cannot be found: 2-person puzzles
+    # are few), 64 evaluation puzzles. Never run on a GPU: README
+    "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", num_train=400,
+                  steps=100, prompts_per_step=4, num_generations=8, max_completion_length=512,
+                  mini_batch_size=16, micro_batch_size=4, beta=0.0, warmup_steps=60,
+                  warmup_learning_rate=1e-4, gradient_checkpointing=True, eval_size=32,
+                  eval_every=25, save_every=25, output_dir="runs/colab"),
     # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length, 150 steps. Figure 3's
     # measurement (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,

@@ -661,9 +661,9 @@ def test_an_unknown_statement_operator_is_a_row_error(tmp_path):
 
 @pytest.mark.parametrize("name", ["cpu", "colab"])
 def test_small_presets_find_their_puzzles_and_evaluate_on_at_least_64(name):
-    """The laptop's and Colab's presets generate their training, warm-up and evaluation puzzles (distinct 2-person
-    puzzles are few: 4,480 training puzzles over 2-3 people cannot be found), and evaluate on at least 64 puzzles,
-    where one puzzle is 0.016 of accuracy."""
+    """The laptop's and Colab's presets generate their training, warm-up and evaluation puzzles
+    (distinct 2-person puzzles are few: 4,480 training puzzles over 2-3 people cannot be found), and
+    evaluate on at least 64 puzzles, where one puzzle is 0.016 of accuracy."""
     cfg = lopti.Config(**lopti.PRESETS[name])
     train, evals = lopti.load_task_data(cfg)
     assert len(train) == cfg.num_train and len(evals) >= 64
