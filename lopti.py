@@ -1387,8 +1387,8 @@ def kk_twins(rows, others) -> list[bool]:
 
 
 def constant_accuracy(rows) -> float:
-    """The best constant answer's accuracy (per size, the most common solution, e.g. "(1) knave (2) knave"): the floor that a
-    model's accuracy must beat."""
+    """The best constant answer's accuracy (per size, the most common solution, e.g. "(1) knave
+    (2) knave"): the floor that a model's accuracy must beat."""
     best: dict[int, int] = {}
     for solution, count in collections.Counter(tuple(s) for s in rows["solution"]).items():
         best[len(solution)] = max(best.get(len(solution), 0), count)
@@ -1487,9 +1487,9 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
 
 
 def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
-    """A supervised warm-up, ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B): cfg.warmup_steps steps
-    of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles each. AdamW whatever
-    cfg.optimizer says: at this learning rate SGD would warm nothing."""
+    """A supervised warm-up, ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B):
+    cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles
+    each. AdamW whatever cfg.optimizer says: at this learning rate SGD would warm nothing."""
     rows = warmup_puzzles(cfg)
     lr = cfg.warmup_learning_rate
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
@@ -1659,7 +1659,8 @@ class StopOnSignal:
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
     """Greedy accuracy (reward 3), per size too with the mean reward, constant_accuracy, each
-    puzzle's outcome (eval/correct: "0110..."), and, given a `twin` column, the accuracy on puzzles without a twin."""
+    puzzle's outcome (eval/correct: "0110..."), and, given a `twin` column, the accuracy on puzzles
+    without a twin."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
@@ -1723,10 +1724,11 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
         return torch.tensor([u[method][f"update/{key}"] for u in units], dtype=torch.float64)
 
     n = counts(reference, "pos_tokens")
+    reference_rose = counts(reference, "pos_rose")
     signs = sign_patterns(len(units), resamples)  # (S, U)
     out = {}
     for method in [m for m in units[0] if m != reference]:
-        d = counts(method, "pos_rose") - counts(reference, "pos_rose")  # (U, 4)
+        d = counts(method, "pos_rose") - reference_rose  # (U, 4): rose, minus the reference's
         as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
         if len(units) <= 12:
             p = as_extreme / len(signs)
