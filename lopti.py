@@ -48,6 +48,148 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+# ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split, Prop. 4.2, loss ======
+# Pure tensor functions that never mutate their inputs: each can be copied out with its test.
+
+
+def broadcast_to_tokens(advantages: Tensor, like: Tensor) -> Tensor:
+    """(B,) advantages repeated over each response's tokens, in fp32, as `like` (B, T)."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1)
+    return advantages.float().expand(like.shape)  # (B, T)
+
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """GRPO's outcome advantage, one per response (official: compute_grpo_outcome_advantage):
+
+        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)    std unbiased (the official code's)
+
+    `rewards` (B,): each prompt's G responses in consecutive rows. Equal rewards give A = 0, not
+    0/eps noise; a group of one gets mean 0, std 1, as in the official code.
+    Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
+    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "(B,), B a multiple of G"
+    grouped = rewards.float().view(-1, group_size)  # (P, G)
+    if group_size == 1:
+        return (grouped / (1.0 + eps)).view(-1)
+    mean = grouped.mean(1, keepdim=True)  # (P, 1)
+    std = grouped.std(1, keepdim=True)  # (P, 1)
+    advantages = (grouped - mean) / (std + eps)  # (P, G)
+    all_equal = (grouped == grouped[:, :1]).all(1, keepdim=True)  # (P, 1)
+    advantages = torch.where(all_equal, 0.0, advantages)  # (P, G)
+    return advantages.view(-1)  # (B,)
+
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
+                   chunk_elems: int = 2**24) -> Tensor:
+    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in
+    chunks of ~chunk_elems logits. The softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest,
+    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none."""
+    return _logprobs_in_chunks(logits, tokens, temperature, None, chunk_elems)
+
+
+
+def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) -> Tensor:
+    """Advantage Reweighting, Eq. 4, for (B,) or (B, T) advantages and (B, T) log pi_old at the
+    sampling temperature:
+
+        A_{i,t} <- (alpha * pi_old(o_{i,t}) + 1 - alpha) * A_{i,t}
+
+    A constant weight, for positive and negative advantages alike; alpha = 0 is GRPO. (The official
+    config's neg_adv_weight, default 0.8, also scales A < 0; its K&K scripts pass 1.0, as here.)"""
+    pi_old = old_logprobs.detach().float().exp()  # (B, T)
+    weight = alpha * pi_old + 1 - alpha  # (B, T)
+    return weight * broadcast_to_tokens(advantages, old_logprobs)  # (B, T)
+
+
+
+def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
+    """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest, two
+    (B, T) masks. (The official seperate_prob = 0 switches to a quantile split, which its scripts
+    never use.)
+    Example, eta = 0.5: exp(old_logprobs) [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]]
+        -> low [[F, T, F, F]], high [[T, F, T, F]]"""
+    pi_old = old_logprobs.detach().float().exp()  # (B, T)
+    response = mask.bool()  # (B, T)
+    low = response & (pi_old < eta)  # (B, T)
+    high = response & ~low  # (B, T)
+    return low, high
+
+
+
+def logit_gradient_bounds(probs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Prop. 4.2 at the logits: a sampled token's gradient d log pi_j / dz = e_j - pi has a norm
+    pinned by its probability,
+
+        sqrt(N / (N - 1)) * (1 - pi_j)  <=  ||e_j - pi||  <=  sqrt(2) * (1 - pi_j)     N: vocabulary
+
+    with equality on the left when the rest is spread evenly, on the right when one rival holds it.
+    Through layers whose Jacobians' singular values lie in [c_l, d_l] the bounds scale by their
+    products: rare tokens push hardest. Of probs (..., N) and tokens (...): (lower, norm, upper)."""
+    vocab = probs.shape[-1]
+    one_hot = torch.nn.functional.one_hot(tokens, vocab).to(probs.dtype)  # (..., N)
+    norm = (one_hot - probs).norm(dim=-1)  # (...)
+    rest = (probs * (1 - one_hot)).sum(-1)  # (...): 1 - pi_j, precise near pi_j = 1
+    lower = math.sqrt(vocab / (vocab - 1)) * rest  # (...)
+    upper = math.sqrt(2) * rest  # (...)
+    return lower, norm, upper
+
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                mask: Tensor, *, epsilon: float = 0.2, epsilon_high: float = 0.24,
+                dual_clip: float = 10.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
+                kl_mask: Tensor | None = None,
+                num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO's clipped surrogate with a k3 KL penalty, token-mean (official: core_algos.py); and
+    no-grad sums: clipped tokens, the KL, and the token counts behind them:
+
+        ratio = exp(logp - old_logp)
+        pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
+        pg    = min(pg, -A * dual_clip)                  where A < 0
+        kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
+        loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
+
+    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count, for each of its
+    micro-batches (exact accumulation) and both Lopti stages (not renormalised: they add up to
+    GRPO). The dual clip, `kl_mask` per stage, the token-mean (the paper averages each response
+    first) and the shared denominator follow the official code, not the paper's text. (Under FSDP
+    the official token-mean is also averaged across ranks; this is one process.)"""
+    assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
+    adv = broadcast_to_tokens(advantages, logprobs)  # (B, T)
+    mask = mask.bool()  # (B, T)
+    kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # (B, T)
+    if num_tokens is None:
+        num_tokens = mask.sum()
+    denom = torch.as_tensor(num_tokens).clamp(min=1)
+    # The ratio: 0 on padding before exp (no NaN gradient); the clamp is upstream verl's (the fork's
+    # has none), as exp overflows
+    log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # (B, T)
+    ratio = log_ratio.clamp(-20, 20).exp()  # (B, T)
+    # The clipped surrogate, then the dual clip
+    pg_loss1 = -adv * ratio  # (B, T)
+    pg_loss2 = -adv * ratio.clamp(1 - epsilon, 1 + epsilon_high)  # (B, T)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+    pg_loss3 = -adv * dual_clip  # (B, T)
+    pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)  # (B, T)
+    loss = torch.where(mask, pg_loss, 0.0).sum() / denom
+    # The k3 KL penalty, with the official code's clamps
+    kl = torch.zeros_like(pg_loss)  # (B, T)
+    if ref_logprobs is not None:
+        ref_log_ratio = torch.where(kl_mask, ref_logprobs.float() - logprobs.float(), 0.0)  # (B, T)
+        ref_log_ratio = ref_log_ratio.clamp(-5, 5)
+        kl = (ref_log_ratio.exp() - ref_log_ratio - 1).clamp(-10, 10)  # (B, T)
+        kl = torch.where(kl_mask, kl, 0.0)
+        loss = loss + beta * kl.sum() / denom
+    with torch.no_grad():  # sums (0-dim tensors: no GPU sync), to add up over micro-batches
+        clipped_high = (ratio > 1 + epsilon_high) & (adv > 0) & mask  # (B, T)
+        clipped_low = (ratio < 1 - epsilon) & (adv < 0) & mask  # (B, T)
+        stats = {"clip_high": clipped_high.sum(), "clip_low": clipped_low.sum(), "kl_ref": kl.sum(),
+                 "tokens": mask.sum(), "kl_tokens": kl_mask.sum()}
+    return loss, stats
+
+
 # ====== Config: one dataclass, the paper's K&K settings ======
 
 
@@ -168,185 +310,6 @@ class Config:
             raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
-def people_range(spec: str) -> tuple[int, int]:
-    """'3-7' -> (3, 7); '5' -> (5, 5)."""
-    lo, _, hi = spec.partition("-")
-    if not (lo.isdigit() and (hi.isdigit() or not hi)):
-        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}")
-    return int(lo), int(hi or lo)
-
-
-# ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split, Prop. 4.2, loss ======
-# Pure tensor functions that never mutate their inputs: each can be copied out with its test.
-
-
-def broadcast_to_tokens(advantages: Tensor, like: Tensor) -> Tensor:
-    """(B,) advantages repeated over each response's tokens, in fp32, as `like` (B, T)."""
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)  # (B, 1)
-    return advantages.float().expand(like.shape)  # (B, T)
-
-
-def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
-    """GRPO's outcome advantage, one per response (official: compute_grpo_outcome_advantage):
-
-        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)    std unbiased (the official code's)
-
-    `rewards` (B,): each prompt's G responses in consecutive rows. Equal rewards give A = 0, not
-    0/eps noise; a group of one gets mean 0, std 1, as in the official code.
-    Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
-    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "(B,), B a multiple of G"
-    grouped = rewards.float().view(-1, group_size)  # (P, G)
-    if group_size == 1:
-        return (grouped / (1.0 + eps)).view(-1)
-    mean = grouped.mean(1, keepdim=True)  # (P, 1)
-    std = grouped.std(1, keepdim=True)  # (P, 1)
-    advantages = (grouped - mean) / (std + eps)  # (P, G)
-    all_equal = (grouped == grouped[:, :1]).all(1, keepdim=True)  # (P, 1)
-    advantages = torch.where(all_equal, 0.0, advantages)  # (P, G)
-    return advantages.view(-1)  # (B,)
-
-
-def _chunk_logprobs(x: Tensor, tokens: Tensor, temperature: float, head) -> Tensor:
-    """log softmax(z / T)[o] for one chunk of logits x (n, V), or of z = head(x)."""
-    logits = x if head is None else head(x)
-    z = logits.float() / temperature  # (n, V)
-    top = z.detach().amax(-1, keepdim=True)  # (n, 1): a constant shift, whose gradient would cancel
-    log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (n,): log(1 + rest), in fp64
-    chosen = (z.gather(-1, tokens.unsqueeze(-1)) - top).squeeze(-1)  # (n,)
-    return (chosen - log_sum).float()  # (n,)
-
-
-def _logprobs_in_chunks(x: Tensor, tokens: Tensor, temperature: float, head, chunk_elems: int):
-    vocab = x.shape[-1] if head is None else head.out_features
-    rows = max(1, chunk_elems // vocab)  # rows of ~chunk_elems logits
-    flat_x = x.reshape(-1, x.shape[-1])  # (B*T, V or H)
-    flat_tokens = tokens.reshape(-1)  # (B*T,)
-    recompute = head is not None and torch.is_grad_enabled()
-    chunks = []
-    for i in range(0, len(flat_tokens), rows):
-        args = (flat_x[i:i + rows], flat_tokens[i:i + rows], temperature, head)
-        if recompute:  # the backward pass recomputes this chunk's logits instead of storing them
-            chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            chunks.append(_chunk_logprobs(*args))
-    if not chunks:
-        return torch.zeros(tokens.shape, device=x.device)
-    return torch.cat(chunks).view(tokens.shape)  # (B, T)
-
-
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
-                   chunk_elems: int = 2**24) -> Tensor:
-    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in
-    chunks of ~chunk_elems logits. The softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest,
-    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none."""
-    return _logprobs_in_chunks(logits, tokens, temperature, None, chunk_elems)
-
-
-def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
-                    chunk_elems: int = 2**24) -> Tensor:
-    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer:
-    the (B, T, V) logits never exist whole."""
-    return _logprobs_in_chunks(hidden, tokens, temperature, head, chunk_elems)
-
-
-def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) -> Tensor:
-    """Advantage Reweighting, Eq. 4, for (B,) or (B, T) advantages and (B, T) log pi_old at the
-    sampling temperature:
-
-        A_{i,t} <- (alpha * pi_old(o_{i,t}) + 1 - alpha) * A_{i,t}
-
-    A constant weight, for positive and negative advantages alike; alpha = 0 is GRPO. (The official
-    config's neg_adv_weight, default 0.8, also scales A < 0; its K&K scripts pass 1.0, as here.)"""
-    pi_old = old_logprobs.detach().float().exp()  # (B, T)
-    weight = alpha * pi_old + 1 - alpha  # (B, T)
-    return weight * broadcast_to_tokens(advantages, old_logprobs)  # (B, T)
-
-
-def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
-    """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest, two
-    (B, T) masks. (The official seperate_prob = 0 switches to a quantile split, which its scripts
-    never use.)
-    Example, eta = 0.5: exp(old_logprobs) [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]]
-        -> low [[F, T, F, F]], high [[T, F, T, F]]"""
-    pi_old = old_logprobs.detach().float().exp()  # (B, T)
-    response = mask.bool()  # (B, T)
-    low = response & (pi_old < eta)  # (B, T)
-    high = response & ~low  # (B, T)
-    return low, high
-
-
-def logit_gradient_bounds(probs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Prop. 4.2 at the logits: a sampled token's gradient d log pi_j / dz = e_j - pi has a norm
-    pinned by its probability,
-
-        sqrt(N / (N - 1)) * (1 - pi_j)  <=  ||e_j - pi||  <=  sqrt(2) * (1 - pi_j)     N: vocabulary
-
-    with equality on the left when the rest is spread evenly, on the right when one rival holds it.
-    Through layers whose Jacobians' singular values lie in [c_l, d_l] the bounds scale by their
-    products: rare tokens push hardest. Of probs (..., N) and tokens (...): (lower, norm, upper)."""
-    vocab = probs.shape[-1]
-    one_hot = torch.nn.functional.one_hot(tokens, vocab).to(probs.dtype)  # (..., N)
-    norm = (one_hot - probs).norm(dim=-1)  # (...)
-    rest = (probs * (1 - one_hot)).sum(-1)  # (...): 1 - pi_j, precise near pi_j = 1
-    lower = math.sqrt(vocab / (vocab - 1)) * rest  # (...)
-    upper = math.sqrt(2) * rest  # (...)
-    return lower, norm, upper
-
-
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                mask: Tensor, *, epsilon: float = 0.2, epsilon_high: float = 0.24,
-                dual_clip: float = 10.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
-                kl_mask: Tensor | None = None,
-                num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's clipped surrogate with a k3 KL penalty, token-mean (official: core_algos.py); and
-    no-grad sums: clipped tokens, the KL, and the token counts behind them:
-
-        ratio = exp(logp - old_logp)
-        pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
-        pg    = min(pg, -A * dual_clip)                  where A < 0
-        kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
-        loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
-
-    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count, for each of its
-    micro-batches (exact accumulation) and both Lopti stages (not renormalised: they add up to
-    GRPO). The dual clip, `kl_mask` per stage, the token-mean (the paper averages each response
-    first) and the shared denominator follow the official code, not the paper's text. (Under FSDP
-    the official token-mean is also averaged across ranks; this is one process.)"""
-    assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
-    adv = broadcast_to_tokens(advantages, logprobs)  # (B, T)
-    mask = mask.bool()  # (B, T)
-    kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # (B, T)
-    if num_tokens is None:
-        num_tokens = mask.sum()
-    denom = torch.as_tensor(num_tokens).clamp(min=1)
-    # The ratio: 0 on padding before exp (no NaN gradient); the clamp is upstream verl's (the fork's
-    # has none), as exp overflows
-    log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # (B, T)
-    ratio = log_ratio.clamp(-20, 20).exp()  # (B, T)
-    # The clipped surrogate, then the dual clip
-    pg_loss1 = -adv * ratio  # (B, T)
-    pg_loss2 = -adv * ratio.clamp(1 - epsilon, 1 + epsilon_high)  # (B, T)
-    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
-    pg_loss3 = -adv * dual_clip  # (B, T)
-    pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)  # (B, T)
-    loss = torch.where(mask, pg_loss, 0.0).sum() / denom
-    # The k3 KL penalty, with the official code's clamps
-    kl = torch.zeros_like(pg_loss)  # (B, T)
-    if ref_logprobs is not None:
-        ref_log_ratio = torch.where(kl_mask, ref_logprobs.float() - logprobs.float(), 0.0)  # (B, T)
-        ref_log_ratio = ref_log_ratio.clamp(-5, 5)
-        kl = (ref_log_ratio.exp() - ref_log_ratio - 1).clamp(-10, 10)  # (B, T)
-        kl = torch.where(kl_mask, kl, 0.0)
-        loss = loss + beta * kl.sum() / denom
-    with torch.no_grad():  # sums (0-dim tensors: no GPU sync), to add up over micro-batches
-        clipped_high = (ratio > 1 + epsilon_high) & (adv > 0) & mask  # (B, T)
-        clipped_low = (ratio < 1 - epsilon) & (adv < 0) & mask  # (B, T)
-        stats = {"clip_high": clipped_high.sum(), "clip_low": clipped_low.sum(), "kl_ref": kl.sum(),
-                 "tokens": mask.sum(), "kl_tokens": kl_mask.sum()}
-    return loss, stats
-
-
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
 
 
@@ -361,11 +324,13 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
                              fused=True)
 
 
+
 def rows_with_gradient(advantages: Tensor, beta: float) -> Tensor:
     """(B,) bool: rows with a non-zero advantage, or all when beta > 0 (the KL term). The rest have
     no gradient: no pi_old, forward or backward."""
     nonzero = (advantages != 0).view(len(advantages), -1).any(1)  # (B,)
     return nonzero | (beta > 0)
+
 
 
 def lopti_stages(cfg: Config, mask: Tensor, old_logprobs: Tensor) -> list[tuple[str, Tensor]]:
@@ -378,6 +343,7 @@ def lopti_stages(cfg: Config, mask: Tensor, old_logprobs: Tensor) -> list[tuple[
     if cfg.lopti_order == "high_first":
         stages.reverse()
     return stages
+
 
 
 def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, batch: dict):
@@ -401,6 +367,7 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, 
         metrics.update(pass_metrics)
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return metrics
+
 
 
 def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: dict,
@@ -451,47 +418,16 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: 
             f"time/update_{name}": time.perf_counter() - t0}
 
 
+
 def divide(total, count) -> float:
     return float(total) / max(float(count), 1.0)
 
 
-# ====== Figures 1 and 3, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
+# ====== Figures 1 and 3 of a step's own update, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
 # Figure 1 (measure_bins): each bin's share of the tokens and its gradient's norm. Figure 3
-# (update_counts, paired_counts): the share of A > 0 tokens whose probability an update raised.
+# (update_counts): the share of A > 0 tokens whose probability an update raised.
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
-UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")
-METHODS = {
-    "grpo": dict(alpha=0.0, lopti=False),
-    "ar": dict(lopti=False),
-    "lopti": dict(alpha=0.0, lopti=True),
-    "ar_lopti": dict(lopti=True),
-    "grpo_2_epochs": dict(alpha=0.0, lopti=False),  # Lopti's number of passes: compute-matched
-    "lopti_high_first": dict(alpha=0.0, lopti=True, lopti_order="high_first"),  # the ablation
-}
-
-
-def method_config(cfg: Config, method: str) -> Config:
-    """`cfg` switched to one of METHODS. AR keeps cfg's alpha, or takes the paper's 0.3 if cfg is
-    GRPO's (alpha 0)."""
-    changes = {"lopti_order": "low_first", **METHODS[method]}
-    if method in ("ar", "ar_lopti"):
-        changes["alpha"] = cfg.alpha if cfg.alpha > 0 else Config.alpha
-    if method == "grpo_2_epochs":
-        changes["num_iterations"] = 2 * cfg.num_iterations
-    return dataclasses.replace(cfg, **changes)
-
-
-def method_name(cfg: dict) -> str:
-    """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation), from a run's config.json."""
-    ar = cfg["alpha"] > 0
-    if cfg["lopti"]:
-        name = "ar_lopti" if ar else "lopti"
-    else:
-        name = "ar" if ar else "grpo"
-    if cfg["lopti"] and cfg["lopti_order"] == "high_first":
-        name += "_high_first"
-    return name
 
 
 def bin_masks(old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -499,6 +435,7 @@ def bin_masks(old_logprobs: Tensor, mask: Tensor) -> Tensor:
     edges = torch.tensor([0.25, 0.5, 0.75], device=mask.device)
     bins = torch.bucketize(old_logprobs.float().exp(), edges)  # (B, T): 0..3
     return torch.stack([(bins == b) & mask.bool() for b in range(4)])
+
 
 
 def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tensor,
@@ -521,61 +458,10 @@ def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tenso
     return counts
 
 
-def pool_counts(records: list[dict]) -> dict[str, list[int]]:
-    """update_counts of steps or runs, summed per bin."""
-    pooled = {}
-    for key in UPDATE_KEYS:
-        rows = [record.get(f"update/{key}", [0] * 4) for record in records]
-        pooled[f"update/{key}"] = [sum(row[b] for row in rows) for b in range(4)]
-    return pooled
-
-
-def per_bin(counts: list, totals: list) -> list:
-    return [c / t if t else None for c, t in zip(counts, totals)]
-
-
-def figure3_shares(counts: dict) -> dict[str, list]:
-    """Per bin: the share of A > 0 tokens that rose (Figure 3), of the moved ones, and that tied."""
-    tokens = counts["update/pos_tokens"]
-    rose = counts["update/pos_rose"]
-    moved = [r + f for r, f in zip(rose, counts["update/pos_fell"])]
-    tied = [n - m for n, m in zip(tokens, moved)]
-    return {"rose": per_bin(rose, tokens), "rose_of_moved": per_bin(rose, moved),
-            "ties": per_bin(tied, tokens)}
-
-
-def copy_to_cpu(state):
-    """A deep copy with its tensors on the CPU: the GPU holds one model and optimiser state."""
-    if torch.is_tensor(state):
-        return state.to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: copy_to_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [copy_to_cpu(v) for v in state]
-    return copy.deepcopy(state)
-
-
-def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: dict,
-                  measure: Callable[[], Tensor], before: Tensor, methods) -> dict[str, dict]:
-    """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch,
-    then undone bit for bit: a difference between methods is theirs, not their batches' or
-    trajectories'."""
-    weights = copy_to_cpu(model.state_dict())
-    optimizer_state = copy_to_cpu(optimizer.state_dict())
-    counts = {}
-    for method in methods:
-        update_policy(method_config(cfg, method), logprob_fn, optimizer, batch)
-        after = measure()
-        counts[method] = update_counts(before, after, batch["advantages"], batch["mask"],
-                                       batch["old_logprobs"])
-        model.train()  # (measure() left it in eval mode)
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # (it keeps the tensors given)
-    return counts
-
 
 def global_norm(tensors) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
 
 
 def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict) -> dict:
@@ -611,221 +497,11 @@ def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict
             "grad_norm": {"bins": [global_norm(g) for g in grads], "all": global_norm(all_tokens)}}
 
 
-def split_rows(rows: Tensor, size: int) -> list[Tensor]:
-    """Row indices in chunks of `size`; none for no rows (torch.split gives one empty chunk)."""
-    if len(rows) == 0:
-        return []
-    return list(rows.split(size))
-
-
-# ====== Toy: Figure 3's mechanism on a linear softmax policy ======
-# logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every
-# context, as an LLM's output layer is; x_t is a fixed random recurrent feature of the history
-# (prefixes rarely repeat); b_t a fixed bias s in [4, 11] on a bigram token, which makes sampled
-# tokens' probabilities U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all
-# equal the prompt's target, there the second most likely token); the rest are "format" tokens,
-# alike in right and wrong responses. As ||x_t|| = 1, a token's gradient on W has norm ||e_j - pi||:
-# Prop. 4.2 with one layer. Design and prediction: toy/README.md.
-
-
-@dataclass(frozen=True)
-class ToySettings:
-    seed: int = 0  # run i of `seeds` has its own random task and samples: seed + i
-    seeds: int = 8  # trajectories per method (a sign-flip test reaches p < 0.05 over 8, not over 5)
-    steps: int = 10  # RL steps per trajectory
-    optimizer: str = "adamw"  # or "sgd"
-    learning_rate: float = 1e-2
-    alpha: float = 0.3
-    eta: float = 0.5
-    vocab: int = 1024
-    dim: int = 32
-    prompts: int = 8
-    group: int = 8
-    length: int = 8  # tokens per response
-    decisions: int = 2  # the first tokens, which decide the reward
-    target_gap: float = 0.5  # a target's bias is the bigram token's minus this
-
-    def __post_init__(self):  # a bad --setting is one line (main)
-        checks = (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("vocab", self.vocab >= 2),
-                  ("dim", self.dim >= 1), ("prompts", self.prompts >= 1), ("group", self.group >= 2),
-                  ("decisions", 1 <= self.decisions <= self.length),
-                  ("target_gap", self.target_gap >= 0))
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
-
-
-TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
-TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
-TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # along GRPO's
-
-
-class ToyPolicy(torch.nn.Module):
-    """Only W is trained; a rollout's contexts and biases are fixed (sample): a pass is a matmul."""
-
-    def __init__(self, s: ToySettings, seed: int):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.W = torch.nn.Parameter(torch.randn(s.vocab, s.dim, generator=g))
-        self.A = torch.linalg.qr(torch.randn(s.dim, s.dim, generator=g))[0] * 0.5  # the recurrence
-        self.F = torch.randn(s.vocab, s.dim, generator=g)  # fixed features of tokens (and prompts)
-        self.bigram = torch.randint(s.vocab, (s.vocab,), generator=g)  # each token's likely next
-        self.strength = 4 + 7 * torch.rand(s.vocab, generator=g)  # and the bias it gets
-        self.target = torch.randint(s.vocab, (s.prompts, s.decisions), generator=g)  # the answers
-        self.s = s
-
-    def forward(self, x: Tensor, bias_at: Tensor, bias: Tensor) -> Tensor:
-        """Logits (B, T, V) from contexts x (B, T, d), plus the biases `bias` at ids `bias_at`."""
-        return (x @ self.W.T).scatter_add(-1, bias_at, bias)
-
-    @torch.no_grad()
-    def sample(self, prompts: Tensor, gen: torch.Generator) -> dict[str, Tensor]:
-        """Responses (B, T) to `prompts` (B,), with their contexts and biases."""
-        x = torch.zeros(len(prompts), self.s.dim)  # (B, d)
-        prev = prompts  # (B,)
-        out = collections.defaultdict(list)
-        for t in range(self.s.length):
-            x = torch.tanh(self.F[prev] + x @ self.A.T)
-            x = x / x.norm(dim=-1, keepdim=True)  # (B, d)
-            target = self.target[prompts, min(t, self.s.decisions - 1)]  # (B,)
-            bias_at = torch.stack([self.bigram[prev], target], 1)  # (B, 2)
-            gap = self.s.target_gap if t < self.s.decisions else math.inf  # no target past them
-            target_bias = (self.strength[prev] - gap).clamp(min=0)  # (B,)
-            bias = torch.stack([self.strength[prev], target_bias], 1)  # (B, 2)
-            uniform = torch.rand(len(prompts), self.s.vocab, generator=gen)  # (B, V)
-            gumbel = -(-uniform.log()).log()  # argmax(logits + gumbel) samples softmax(logits)
-            logits = self(x, bias_at, bias)  # (B, V)
-            prev = (logits + gumbel).argmax(-1)  # (B,)
-            for key, value in (("tokens", prev), ("x", x), ("bias_at", bias_at), ("bias", bias)):
-                out[key].append(value)
-        return {key: torch.stack(values, 1) for key, values in out.items()}
-
-
-def toy_logprobs(net: ToyPolicy, batch: dict) -> Tensor:
-    logits = net(batch["x"], batch["bias_at"], batch["bias"])  # (B, T, V)
-    return token_logprobs(logits, batch["tokens"])  # (B, T)
-
-
-def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
-    """Algorithm 1, lines 3-5: G samples per prompt, outcome rewards, group advantages, pi_old."""
-    prompts = torch.arange(net.s.prompts).repeat_interleave(net.s.group)  # (B,)
-    batch = net.sample(prompts, gen)
-    decided = batch["tokens"][:, :net.s.decisions]  # (B, decisions)
-    rewards = (decided == net.target[prompts]).all(1).float()  # (B,)
-    batch["mask"] = torch.ones_like(batch["tokens"], dtype=torch.bool)
-    batch["rewards"] = rewards
-    batch["advantages"] = group_advantages(rewards, net.s.group)
-    with torch.no_grad():
-        batch["old_logprobs"] = toy_logprobs(net, batch)
-    return batch
-
-
-def toy_config(s: ToySettings) -> Config:
-    """2 optimiser steps a pass (as the paper's 512 responses in mini-batches of 256), no KL,
-    temperature 1, no weight decay (the paper's analysis has none; Lopti would decay twice)."""
-    rollout_size = s.prompts * s.group
-    half = rollout_size // 2 if rollout_size % 2 == 0 else rollout_size
-    return Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
-                  weight_decay=0.0, beta=0.0, temperature=1.0, num_generations=s.group,
-                  prompts_per_step=s.prompts, mini_batch_size=half, micro_batch_size=half)
-
-
-def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
-    """`method` trained on seed `seed`'s task: per step the reward, the update's Figure 3 counts,
-    and the `paired` methods' paired_counts (with the own update's under `method`)."""
-    net = ToyPolicy(s, seed)
-    sampler = torch.Generator().manual_seed(seed)
-    base = toy_config(s)
-    cfg = method_config(base, method)
-    optimizer = make_optimizer(net, cfg)
-    logprob_fn = functools.partial(toy_logprobs, net)
-    out = {"reward": [], "counts": [], "paired": []}
-    for _ in range(s.steps):
-        batch = toy_rollout(net, sampler)
-
-        def measure() -> Tensor:
-            with torch.no_grad():
-                return toy_logprobs(net, batch)
-
-        before = batch["old_logprobs"]
-        probes = paired_counts(base, net, optimizer, logprob_fn, batch, measure, before, paired)
-        update_policy(cfg, logprob_fn, optimizer, batch)
-        counts = update_counts(before, measure(), batch["advantages"], batch["mask"])
-        out["reward"].append(float(batch["rewards"].mean()))
-        out["counts"].append(counts)
-        out["paired"].append({method: counts, **probes})
-    return out
-
-
-def run_toy(s: ToySettings) -> dict:
-    """Every part of the toy; a pure function of `s` (with torch's threads fixed)."""
-    runs = {}
-    for method in TOY_OWN_RUNS:
-        paired = TOY_PAIRED if method == "grpo" else ()
-        runs[method] = [toy_trajectory(s, method, s.seed + i, paired) for i in range(s.seeds)]
-    # Figure 3 of each method's own runs, their steps pooled
-    figure3 = {"rose": {}, "rose_of_moved": {}, "ties": {}}
-    reward = {}
-    for method, trajectories in runs.items():
-        shares = figure3_shares(pool_counts([c for run in trajectories for c in run["counts"]]))
-        for key in figure3:
-            figure3[key][method] = shares[key]
-        rewards = torch.tensor([run["reward"] for run in trajectories], dtype=torch.float64)
-        reward[method] = rewards.mean(0).tolist()
-    # Figure 3 paired along GRPO's trajectories; a unit is a seed, its steps pooled
-    units = []
-    for run in runs["grpo"]:
-        methods = run["paired"][0]
-        units.append({m: pool_counts([step[m] for step in run["paired"]]) for m in methods})
-    figure3["paired"] = paired_deltas(units)
-    # Figure 1 and Prop. 4.2 on a first batch
-    net = ToyPolicy(s, s.seed)
-    batch = toy_rollout(net, torch.Generator().manual_seed(s.seed))
-    figure1 = measure_bins(len(batch["mask"]), net, functools.partial(toy_logprobs, net), batch)
-    with torch.no_grad():
-        probs = net(batch["x"], batch["bias_at"], batch["bias"]).double().softmax(-1)  # (B, T, V)
-    lower, norm, upper = logit_gradient_bounds(probs, batch["tokens"])  # (B, T) each
-    within = (lower <= norm) & (norm <= upper)  # (B, T)
-    norm_over_rest = norm / (upper / math.sqrt(2))  # (B, T): ||e_j - pi|| / (1 - pi_j)
-    prop_4_2 = {"tokens": norm.numel(), "within": int(within.sum()),
-                "norm_over_rest": [float(norm_over_rest.min()), float(norm_over_rest.max())]}
-    return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "prop_4_2": prop_4_2,
-            "reward": reward, "figure3": figure3}
-
-
-def fmt_list(xs: list, spec: str = ".3f") -> str:
-    return " / ".join("-" if x is None else format(x, spec) for x in xs)
-
-
-def toy_checks(r: dict) -> list[str]:
-    """The lines `lopti.py toy` prints."""
-    p = r["prop_4_2"]
-    lo, hi = p["norm_over_rest"]
-    holds = "yes" if p["within"] == p["tokens"] else "NO "
-    bound = "sqrt(N/(N-1)) (1 - pi_j) <= ||e_j - pi|| <= sqrt(2) (1 - pi_j)"
-    checks = [f"[{holds}] Prop. 4.2, {bound}, holds on {p['within']} of {p['tokens']} sampled "
-              f"tokens: ||e_j - pi|| / (1 - pi_j) from {lo:.3f} to {hi:.3f}"]
-    rose = r["figure3"]["rose"]["grpo"]
-    gap = rose[0] - rose[3]
-    declines = "yes" if gap >= 0.05 else "NO "
-    checks.append(f"[{declines}] GRPO's top bin rose at least 0.05 less often than its lowest: "
-                  f"{fmt_list(rose)} (lowest - top {gap:+.3f})")
-    for method, shares in r["figure3"]["rose"].items():
-        checks.append(f"[own runs] {method} rose {fmt_list(shares)}")
-    for method, d in r["figure3"]["paired"].items():
-        verdict = "does not resolve"
-        if d["resolved"][3]:
-            verdict = "raises" if d["delta"][3] > 0 else "lowers"
-        every_bin = fmt_list(d["delta"], "+.3f")
-        checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
-                      f"{d['delta'][3]:+.3f}, p {d['p'][3]:.3f}; every bin {every_bin}")
-    return checks
-
-
 # ====== Knights and Knaves: the paper's task, its prompt and reward (Logic-RL's) ======
 # Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic) as Logic-RL ships it (the official
 # code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py, as in AR-Lopti. The
 # puzzle generator and loader are in the harness, below the first read.
+
 
 KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
@@ -847,6 +523,7 @@ def kk_prompt(tokenizer, quiz: str) -> str:
     return text + THINK_PREFIX
 
 
+
 def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
     """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex."""
     roles = {}
@@ -855,6 +532,7 @@ def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
         if match:
             roles[match.group(1)] = match.group(2).lower()
     return roles
+
 
 
 def kk_reward(completion: str, solution_text_format: str) -> float:
@@ -883,6 +561,7 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
     return KK_MAX_REWARD if said == truth else -0.5
 
 
+
 def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
     """Logic-RL's rewards (B,) of completions as generated after THINK_PREFIX."""
     return torch.tensor([kk_reward(THINK_PREFIX + c, s) for c, s in zip(completions, solutions)])
@@ -898,6 +577,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
 
 
+
 def completion_mask(completions: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
     """The response tokens, by position: up to and including the first EOS; and (B,) truncated (no
     EOS). By value (tokens != pad) the EOS is lost when pad == EOS: the model never learns to stop.
@@ -908,20 +588,6 @@ def completion_mask(completions: Tensor, eos_ids: list[int]) -> tuple[Tensor, Te
     eos_before = is_eos.cumsum(1) - is_eos  # (B, C): EOS tokens strictly before each position
     return eos_before == 0, is_eos.sum(1) == 0
 
-
-def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Tensor, Tensor]:
-    """Each row's `mask` ended at the token that completes the text `stop`; and (B,) stopped."""
-    mask = mask.clone()
-    stopped = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
-    for i, row in enumerate(completions.tolist()):
-        pieces = tokenizer.batch_decode([[token] for token in row[:int(mask[i].sum())]])
-        at = "".join(pieces).find(stop)
-        if at >= 0:
-            ends = torch.tensor([len(piece) for piece in pieces]).cumsum(0)  # text length per token
-            last = int((ends < at + len(stop)).sum())  # the token that completes `stop`
-            mask[i, last + 1:] = False
-            stopped[i] = True
-    return mask, stopped
 
 
 @torch.no_grad()
@@ -971,69 +637,6 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device, greedy: b
     return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask,
             "truncated": truncated, "texts": texts}
 
-
-def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
-    """A group's G rows share a prompt: its forward (and backward) runs once per distinct prompt,
-    the KV cache indexed back to every row, differentiably. Returns it and the last hidden state
-    (B, 1, H)."""
-    L = input_ids.shape[1]
-    both = torch.cat([input_ids, attention_mask], 1)  # (B, 2L)
-    distinct, inverse = torch.unique(both, dim=0, return_inverse=True)  # (U, 2L), (B,)
-    ids, attention = distinct[:, :L], distinct[:, L:]  # (U, L) each
-    position_ids = (attention.long().cumsum(-1) - 1).clamp_min(0)  # (U, L)
-    out = model.base_model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
-                           use_cache=True)
-    out.cache.batch_select_indices(inverse)
-    return out.cache, out.last_hidden_state[inverse, -1:]
-
-
-def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                      temperature: float) -> Tensor:
-    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C).
-    Position ids come from the attention mask, as generate() made them: a padded row scores as it
-    would alone. A group's shared prompt runs once (prefix_cache), except under checkpointing."""
-    C = num_completion
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
-    targets = input_ids[:, -C:]  # (B, C)
-    shared = len(torch.unique(input_ids[:, :-C], dim=0)) < len(input_ids) and C > 1
-    checkpointing = model.is_activation_checkpointing and model.training  # (HF drops a cache then)
-    if shared and not checkpointing:
-        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # o_1's
-        rest = model.base_model(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
-                                position_ids=position_ids[:, -C:-1], cache=cache).last_hidden_state
-        hidden = torch.cat([first, rest], 1)  # (B, C, H): position t predicts o_{t+1}
-    else:
-        out = model.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                               position_ids=position_ids[:, :-1], use_cache=False)
-        hidden = out.last_hidden_state[:, -C:]  # (B, C, H)
-    return hidden_logprobs(hidden, model.get_output_embeddings(), targets, temperature)  # (B, C)
-
-
-def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
-    """sequence_logprobs (b, C) of a micro-batch, run only up to its longest completion (exact, as
-    attention is causal); later columns are 0."""
-    C = micro["mask"].shape[1]
-    columns = micro["mask"].any(0).nonzero()
-    used = int(columns[-1]) + 1 if len(columns) else 1  # up to the last response token
-    end = micro["input_ids"].shape[1] - C + used
-    input_ids = micro["input_ids"][:, :end]
-    attention_mask = micro["attention_mask"][:, :end]
-    logprobs = sequence_logprobs(model, input_ids, attention_mask, used, temperature)  # (b, used)
-    return torch.nn.functional.pad(logprobs, (0, C - used))  # (b, C)
-
-
-@torch.no_grad()
-def batched_logprobs(model, batch: dict, cfg: Config, device, rows: Tensor | None = None,
-                     fp32: bool = False) -> Tensor:
-    """No-grad log-probs (B, C): pi_old's, the reference's or Figure 3's; of `rows` if given."""
-    model.eval()
-    out = torch.zeros(batch["mask"].shape, device=batch["mask"].device)  # (B, C)
-    index = torch.arange(len(out)) if rows is None else rows.nonzero().squeeze(1).cpu()
-    for micro in split_rows(index, cfg.micro_batch_size):
-        micro_batch = {k: batch[k][micro] for k in ("input_ids", "attention_mask", "mask")}
-        with autocast(device, enabled=not fp32):
-            out[micro] = completion_logprobs(model, micro_batch, cfg.temperature)
-    return out
 
 
 def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device,
@@ -1095,6 +698,7 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
             **metrics, "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "samples": samples}
 
 
+
 def train(cfg: Config, resume: bool = False) -> Path:
     """GRPO (+AR, +Lopti) on K&K into cfg.output_dir (metrics.jsonl: a line per step and per
     evaluation). Ctrl-C or SIGTERM finishes the step, saves and exits 130 or 143; a second signal
@@ -1143,7 +747,499 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 # ====== A first read can stop here ======
-# The harness: puzzles, warm-up, models, checkpoints, resume, evaluation, diagnose, plot, TRL, CLI.
+# The harness: Config's ranges, an LM's log-probs, the rollout's speed, Figure 3 paired, the toy,
+# puzzles, warm-up, models, checkpoints, resume, evaluation, diagnose, plot, TRL, CLI.
+
+# --- Config's ranges
+
+
+def people_range(spec: str) -> tuple[int, int]:
+    """'3-7' -> (3, 7); '5' -> (5, 5)."""
+    lo, _, hi = spec.partition("-")
+    if not (lo.isdigit() and (hi.isdigit() or not hi)):
+        raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}")
+    return int(lo), int(hi or lo)
+
+
+
+# --- An LM's log-probs: the output layer in chunks, and a group's shared prompt run once
+
+
+def _chunk_logprobs(x: Tensor, tokens: Tensor, temperature: float, head) -> Tensor:
+    """log softmax(z / T)[o] for one chunk of logits x (n, V), or of z = head(x)."""
+    logits = x if head is None else head(x)
+    z = logits.float() / temperature  # (n, V)
+    top = z.detach().amax(-1, keepdim=True)  # (n, 1): a constant shift, whose gradient would cancel
+    log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (n,): log(1 + rest), in fp64
+    chosen = (z.gather(-1, tokens.unsqueeze(-1)) - top).squeeze(-1)  # (n,)
+    return (chosen - log_sum).float()  # (n,)
+
+
+
+def _logprobs_in_chunks(x: Tensor, tokens: Tensor, temperature: float, head, chunk_elems: int):
+    vocab = x.shape[-1] if head is None else head.out_features
+    rows = max(1, chunk_elems // vocab)  # rows of ~chunk_elems logits
+    flat_x = x.reshape(-1, x.shape[-1])  # (B*T, V or H)
+    flat_tokens = tokens.reshape(-1)  # (B*T,)
+    recompute = head is not None and torch.is_grad_enabled()
+    chunks = []
+    for i in range(0, len(flat_tokens), rows):
+        args = (flat_x[i:i + rows], flat_tokens[i:i + rows], temperature, head)
+        if recompute:  # the backward pass recomputes this chunk's logits instead of storing them
+            chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_chunk_logprobs(*args))
+    if not chunks:
+        return torch.zeros(tokens.shape, device=x.device)
+    return torch.cat(chunks).view(tokens.shape)  # (B, T)
+
+
+
+def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
+                    chunk_elems: int = 2**24) -> Tensor:
+    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer:
+    the (B, T, V) logits never exist whole."""
+    return _logprobs_in_chunks(hidden, tokens, temperature, head, chunk_elems)
+
+
+
+def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
+    """A group's G rows share a prompt: its forward (and backward) runs once per distinct prompt,
+    the KV cache indexed back to every row, differentiably. Returns it and the last hidden state
+    (B, 1, H)."""
+    L = input_ids.shape[1]
+    both = torch.cat([input_ids, attention_mask], 1)  # (B, 2L)
+    distinct, inverse = torch.unique(both, dim=0, return_inverse=True)  # (U, 2L), (B,)
+    ids, attention = distinct[:, :L], distinct[:, L:]  # (U, L) each
+    position_ids = (attention.long().cumsum(-1) - 1).clamp_min(0)  # (U, L)
+    out = model.base_model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
+                           use_cache=True)
+    out.cache.batch_select_indices(inverse)
+    return out.cache, out.last_hidden_state[inverse, -1:]
+
+
+
+def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                      temperature: float) -> Tensor:
+    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C).
+    Position ids come from the attention mask, as generate() made them: a padded row scores as it
+    would alone. A group's shared prompt runs once (prefix_cache), except under checkpointing."""
+    C = num_completion
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
+    targets = input_ids[:, -C:]  # (B, C)
+    shared = len(torch.unique(input_ids[:, :-C], dim=0)) < len(input_ids) and C > 1
+    checkpointing = model.is_activation_checkpointing and model.training  # (HF drops a cache then)
+    if shared and not checkpointing:
+        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # o_1's
+        rest = model.base_model(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
+                                position_ids=position_ids[:, -C:-1], cache=cache).last_hidden_state
+        hidden = torch.cat([first, rest], 1)  # (B, C, H): position t predicts o_{t+1}
+    else:
+        out = model.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                               position_ids=position_ids[:, :-1], use_cache=False)
+        hidden = out.last_hidden_state[:, -C:]  # (B, C, H)
+    return hidden_logprobs(hidden, model.get_output_embeddings(), targets, temperature)  # (B, C)
+
+
+
+def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
+    """sequence_logprobs (b, C) of a micro-batch, run only up to its longest completion (exact, as
+    attention is causal); later columns are 0."""
+    C = micro["mask"].shape[1]
+    columns = micro["mask"].any(0).nonzero()
+    used = int(columns[-1]) + 1 if len(columns) else 1  # up to the last response token
+    end = micro["input_ids"].shape[1] - C + used
+    input_ids = micro["input_ids"][:, :end]
+    attention_mask = micro["attention_mask"][:, :end]
+    logprobs = sequence_logprobs(model, input_ids, attention_mask, used, temperature)  # (b, used)
+    return torch.nn.functional.pad(logprobs, (0, C - used))  # (b, C)
+
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict, cfg: Config, device, rows: Tensor | None = None,
+                     fp32: bool = False) -> Tensor:
+    """No-grad log-probs (B, C): pi_old's, the reference's or Figure 3's; of `rows` if given."""
+    model.eval()
+    out = torch.zeros(batch["mask"].shape, device=batch["mask"].device)  # (B, C)
+    index = torch.arange(len(out)) if rows is None else rows.nonzero().squeeze(1).cpu()
+    for micro in split_rows(index, cfg.micro_batch_size):
+        micro_batch = {k: batch[k][micro] for k in ("input_ids", "attention_mask", "mask")}
+        with autocast(device, enabled=not fp32):
+            out[micro] = completion_logprobs(model, micro_batch, cfg.temperature)
+    return out
+
+
+
+def split_rows(rows: Tensor, size: int) -> list[Tensor]:
+    """Row indices in chunks of `size`; none for no rows (torch.split gives one empty chunk)."""
+    if len(rows) == 0:
+        return []
+    return list(rows.split(size))
+
+
+
+# --- The rollout's speed: generation in batches, a group's prompt run once, stop at </answer>
+
+
+def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Tensor, Tensor]:
+    """Each row's `mask` ended at the token that completes the text `stop`; and (B,) stopped."""
+    mask = mask.clone()
+    stopped = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
+    for i, row in enumerate(completions.tolist()):
+        pieces = tokenizer.batch_decode([[token] for token in row[:int(mask[i].sum())]])
+        at = "".join(pieces).find(stop)
+        if at >= 0:
+            ends = torch.tensor([len(piece) for piece in pieces]).cumsum(0)  # text length per token
+            last = int((ends < at + len(stop)).sum())  # the token that completes `stop`
+            mask[i, last + 1:] = False
+            stopped[i] = True
+    return mask, stopped
+
+
+
+# --- Figure 3 paired: every method's update from one state and batch, then undone
+
+UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")
+METHODS = {
+    "grpo": dict(alpha=0.0, lopti=False),
+    "ar": dict(lopti=False),
+    "lopti": dict(alpha=0.0, lopti=True),
+    "ar_lopti": dict(lopti=True),
+    "grpo_2_epochs": dict(alpha=0.0, lopti=False),  # Lopti's number of passes: compute-matched
+    "lopti_high_first": dict(alpha=0.0, lopti=True, lopti_order="high_first"),  # the ablation
+}
+
+
+def method_config(cfg: Config, method: str) -> Config:
+    """`cfg` switched to one of METHODS. AR keeps cfg's alpha, or takes the paper's 0.3 if cfg is
+    GRPO's (alpha 0)."""
+    changes = {"lopti_order": "low_first", **METHODS[method]}
+    if method in ("ar", "ar_lopti"):
+        changes["alpha"] = cfg.alpha if cfg.alpha > 0 else Config.alpha
+    if method == "grpo_2_epochs":
+        changes["num_iterations"] = 2 * cfg.num_iterations
+    return dataclasses.replace(cfg, **changes)
+
+
+
+def method_name(cfg: dict) -> str:
+    """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation), from a run's config.json."""
+    ar = cfg["alpha"] > 0
+    if cfg["lopti"]:
+        name = "ar_lopti" if ar else "lopti"
+    else:
+        name = "ar" if ar else "grpo"
+    if cfg["lopti"] and cfg["lopti_order"] == "high_first":
+        name += "_high_first"
+    return name
+
+
+
+def pool_counts(records: list[dict]) -> dict[str, list[int]]:
+    """update_counts of steps or runs, summed per bin."""
+    pooled = {}
+    for key in UPDATE_KEYS:
+        rows = [record.get(f"update/{key}", [0] * 4) for record in records]
+        pooled[f"update/{key}"] = [sum(row[b] for row in rows) for b in range(4)]
+    return pooled
+
+
+
+def per_bin(counts: list, totals: list) -> list:
+    return [c / t if t else None for c, t in zip(counts, totals)]
+
+
+
+def figure3_shares(counts: dict) -> dict[str, list]:
+    """Per bin: the share of A > 0 tokens that rose (Figure 3), of the moved ones, and that tied."""
+    tokens = counts["update/pos_tokens"]
+    rose = counts["update/pos_rose"]
+    moved = [r + f for r, f in zip(rose, counts["update/pos_fell"])]
+    tied = [n - m for n, m in zip(tokens, moved)]
+    return {"rose": per_bin(rose, tokens), "rose_of_moved": per_bin(rose, moved),
+            "ties": per_bin(tied, tokens)}
+
+
+
+def copy_to_cpu(state):
+    """A deep copy with its tensors on the CPU: the GPU holds one model and optimiser state."""
+    if torch.is_tensor(state):
+        return state.to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: copy_to_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [copy_to_cpu(v) for v in state]
+    return copy.deepcopy(state)
+
+
+
+def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: dict,
+                  measure: Callable[[], Tensor], before: Tensor, methods) -> dict[str, dict]:
+    """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch,
+    then undone bit for bit: a difference between methods is theirs, not their batches' or
+    trajectories'."""
+    weights = copy_to_cpu(model.state_dict())
+    optimizer_state = copy_to_cpu(optimizer.state_dict())
+    counts = {}
+    for method in methods:
+        update_policy(method_config(cfg, method), logprob_fn, optimizer, batch)
+        after = measure()
+        counts[method] = update_counts(before, after, batch["advantages"], batch["mask"],
+                                       batch["old_logprobs"])
+        model.train()  # (measure() left it in eval mode)
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # (it keeps the tensors given)
+    return counts
+
+
+
+def sign_patterns(units: int, resamples: int) -> Tensor:
+    if units <= 12:  # all 2^units patterns, else `resamples` random ones
+        return torch.tensor(list(itertools.product((1.0, -1.0), repeat=units)), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 2, (resamples, units), generator=generator).double() * 2 - 1
+
+
+
+def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
+    """Per method and bin, over units (steps, or seeds' sums) of paired_counts: its share of A > 0
+    tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0.
+    'resolved' is p < 0.05, which 5 units never reach (p >= 2/32)."""
+    def counts(method: str, key: str) -> Tensor:  # (U, 4)
+        return torch.tensor([u[method][f"update/{key}"] for u in units], dtype=torch.float64)
+
+    n = counts(reference, "pos_tokens")
+    reference_rose = counts(reference, "pos_rose")
+    signs = sign_patterns(len(units), resamples)  # (S, U)
+    out = {}
+    for method in [m for m in units[0] if m != reference]:
+        d = counts(method, "pos_rose") - reference_rose  # (U, 4): rose, minus the reference's
+        as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
+        if len(units) <= 12:
+            p = as_extreme / len(signs)
+        else:
+            p = (as_extreme + 1) / (len(signs) + 1)  # random patterns: never 0
+        delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
+        resolved = [x is not None and q < 0.05 for x, q in zip(delta, p.tolist())]
+        out[method] = {"delta": delta, "p": p.tolist(), "resolved": resolved}
+    return out
+
+
+
+# --- Toy: Figure 3's mechanism on a linear softmax policy
+# logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every
+# context, as an LLM's output layer is; x_t is a fixed random recurrent feature of the history
+# (prefixes rarely repeat); b_t a fixed bias s in [4, 11] on a bigram token, which makes sampled
+# tokens' probabilities U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all
+# equal the prompt's target, there the second most likely token); the rest are "format" tokens,
+# alike in right and wrong responses. As ||x_t|| = 1, a token's gradient on W has norm ||e_j - pi||:
+# Prop. 4.2 with one layer. Design and prediction: toy/README.md.
+
+
+
+@dataclass(frozen=True)
+class ToySettings:
+    seed: int = 0  # run i of `seeds` has its own random task and samples: seed + i
+    seeds: int = 8  # trajectories per method (a sign-flip test reaches p < 0.05 over 8, not over 5)
+    steps: int = 10  # RL steps per trajectory
+    optimizer: str = "adamw"  # or "sgd"
+    learning_rate: float = 1e-2
+    alpha: float = 0.3
+    eta: float = 0.5
+    vocab: int = 1024
+    dim: int = 32
+    prompts: int = 8
+    group: int = 8
+    length: int = 8  # tokens per response
+    decisions: int = 2  # the first tokens, which decide the reward
+    target_gap: float = 0.5  # a target's bias is the bigram token's minus this
+
+    def __post_init__(self):  # a bad --setting is one line (main)
+        checks = (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("vocab", self.vocab >= 2),
+                  ("dim", self.dim >= 1), ("prompts", self.prompts >= 1), ("group", self.group >= 2),
+                  ("decisions", 1 <= self.decisions <= self.length),
+                  ("target_gap", self.target_gap >= 0))
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
+
+
+
+TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
+TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
+TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # along GRPO's
+
+
+class ToyPolicy(torch.nn.Module):
+    """Only W is trained; a rollout's contexts and biases are fixed (sample): a pass is a matmul."""
+
+    def __init__(self, s: ToySettings, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.W = torch.nn.Parameter(torch.randn(s.vocab, s.dim, generator=g))
+        self.A = torch.linalg.qr(torch.randn(s.dim, s.dim, generator=g))[0] * 0.5  # the recurrence
+        self.F = torch.randn(s.vocab, s.dim, generator=g)  # fixed features of tokens (and prompts)
+        self.bigram = torch.randint(s.vocab, (s.vocab,), generator=g)  # each token's likely next
+        self.strength = 4 + 7 * torch.rand(s.vocab, generator=g)  # and the bias it gets
+        self.target = torch.randint(s.vocab, (s.prompts, s.decisions), generator=g)  # the answers
+        self.s = s
+
+    def forward(self, x: Tensor, bias_at: Tensor, bias: Tensor) -> Tensor:
+        """Logits (B, T, V) from contexts x (B, T, d), plus the biases `bias` at ids `bias_at`."""
+        return (x @ self.W.T).scatter_add(-1, bias_at, bias)
+
+    @torch.no_grad()
+    def sample(self, prompts: Tensor, gen: torch.Generator) -> dict[str, Tensor]:
+        """Responses (B, T) to `prompts` (B,), with their contexts and biases."""
+        x = torch.zeros(len(prompts), self.s.dim)  # (B, d)
+        prev = prompts  # (B,)
+        out = collections.defaultdict(list)
+        for t in range(self.s.length):
+            x = torch.tanh(self.F[prev] + x @ self.A.T)
+            x = x / x.norm(dim=-1, keepdim=True)  # (B, d)
+            target = self.target[prompts, min(t, self.s.decisions - 1)]  # (B,)
+            bias_at = torch.stack([self.bigram[prev], target], 1)  # (B, 2)
+            gap = self.s.target_gap if t < self.s.decisions else math.inf  # no target past them
+            target_bias = (self.strength[prev] - gap).clamp(min=0)  # (B,)
+            bias = torch.stack([self.strength[prev], target_bias], 1)  # (B, 2)
+            uniform = torch.rand(len(prompts), self.s.vocab, generator=gen)  # (B, V)
+            gumbel = -(-uniform.log()).log()  # argmax(logits + gumbel) samples softmax(logits)
+            logits = self(x, bias_at, bias)  # (B, V)
+            prev = (logits + gumbel).argmax(-1)  # (B,)
+            for key, value in (("tokens", prev), ("x", x), ("bias_at", bias_at), ("bias", bias)):
+                out[key].append(value)
+        return {key: torch.stack(values, 1) for key, values in out.items()}
+
+
+
+def toy_logprobs(net: ToyPolicy, batch: dict) -> Tensor:
+    logits = net(batch["x"], batch["bias_at"], batch["bias"])  # (B, T, V)
+    return token_logprobs(logits, batch["tokens"])  # (B, T)
+
+
+
+def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
+    """Algorithm 1, lines 3-5: G samples per prompt, outcome rewards, group advantages, pi_old."""
+    prompts = torch.arange(net.s.prompts).repeat_interleave(net.s.group)  # (B,)
+    batch = net.sample(prompts, gen)
+    decided = batch["tokens"][:, :net.s.decisions]  # (B, decisions)
+    rewards = (decided == net.target[prompts]).all(1).float()  # (B,)
+    batch["mask"] = torch.ones_like(batch["tokens"], dtype=torch.bool)
+    batch["rewards"] = rewards
+    batch["advantages"] = group_advantages(rewards, net.s.group)
+    with torch.no_grad():
+        batch["old_logprobs"] = toy_logprobs(net, batch)
+    return batch
+
+
+
+def toy_config(s: ToySettings) -> Config:
+    """2 optimiser steps a pass (as the paper's 512 responses in mini-batches of 256), no KL,
+    temperature 1, no weight decay (the paper's analysis has none; Lopti would decay twice)."""
+    rollout_size = s.prompts * s.group
+    half = rollout_size // 2 if rollout_size % 2 == 0 else rollout_size
+    return Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
+                  weight_decay=0.0, beta=0.0, temperature=1.0, num_generations=s.group,
+                  prompts_per_step=s.prompts, mini_batch_size=half, micro_batch_size=half)
+
+
+
+def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
+    """`method` trained on seed `seed`'s task: per step the reward, the update's Figure 3 counts,
+    and the `paired` methods' paired_counts (with the own update's under `method`)."""
+    net = ToyPolicy(s, seed)
+    sampler = torch.Generator().manual_seed(seed)
+    base = toy_config(s)
+    cfg = method_config(base, method)
+    optimizer = make_optimizer(net, cfg)
+    logprob_fn = functools.partial(toy_logprobs, net)
+    out = {"reward": [], "counts": [], "paired": []}
+    for _ in range(s.steps):
+        batch = toy_rollout(net, sampler)
+
+        def measure() -> Tensor:
+            with torch.no_grad():
+                return toy_logprobs(net, batch)
+
+        before = batch["old_logprobs"]
+        probes = paired_counts(base, net, optimizer, logprob_fn, batch, measure, before, paired)
+        update_policy(cfg, logprob_fn, optimizer, batch)
+        counts = update_counts(before, measure(), batch["advantages"], batch["mask"])
+        out["reward"].append(float(batch["rewards"].mean()))
+        out["counts"].append(counts)
+        out["paired"].append({method: counts, **probes})
+    return out
+
+
+
+def run_toy(s: ToySettings) -> dict:
+    """Every part of the toy; a pure function of `s` (with torch's threads fixed)."""
+    runs = {}
+    for method in TOY_OWN_RUNS:
+        paired = TOY_PAIRED if method == "grpo" else ()
+        runs[method] = [toy_trajectory(s, method, s.seed + i, paired) for i in range(s.seeds)]
+    # Figure 3 of each method's own runs, their steps pooled
+    figure3 = {"rose": {}, "rose_of_moved": {}, "ties": {}}
+    reward = {}
+    for method, trajectories in runs.items():
+        shares = figure3_shares(pool_counts([c for run in trajectories for c in run["counts"]]))
+        for key in figure3:
+            figure3[key][method] = shares[key]
+        rewards = torch.tensor([run["reward"] for run in trajectories], dtype=torch.float64)
+        reward[method] = rewards.mean(0).tolist()
+    # Figure 3 paired along GRPO's trajectories; a unit is a seed, its steps pooled
+    units = []
+    for run in runs["grpo"]:
+        methods = run["paired"][0]
+        units.append({m: pool_counts([step[m] for step in run["paired"]]) for m in methods})
+    figure3["paired"] = paired_deltas(units)
+    # Figure 1 and Prop. 4.2 on a first batch
+    net = ToyPolicy(s, s.seed)
+    batch = toy_rollout(net, torch.Generator().manual_seed(s.seed))
+    figure1 = measure_bins(len(batch["mask"]), net, functools.partial(toy_logprobs, net), batch)
+    with torch.no_grad():
+        probs = net(batch["x"], batch["bias_at"], batch["bias"]).double().softmax(-1)  # (B, T, V)
+    lower, norm, upper = logit_gradient_bounds(probs, batch["tokens"])  # (B, T) each
+    within = (lower <= norm) & (norm <= upper)  # (B, T)
+    norm_over_rest = norm / (upper / math.sqrt(2))  # (B, T): ||e_j - pi|| / (1 - pi_j)
+    prop_4_2 = {"tokens": norm.numel(), "within": int(within.sum()),
+                "norm_over_rest": [float(norm_over_rest.min()), float(norm_over_rest.max())]}
+    return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "prop_4_2": prop_4_2,
+            "reward": reward, "figure3": figure3}
+
+
+
+def fmt_list(xs: list, spec: str = ".3f") -> str:
+    return " / ".join("-" if x is None else format(x, spec) for x in xs)
+
+
+
+def toy_checks(r: dict) -> list[str]:
+    """The lines `lopti.py toy` prints."""
+    p = r["prop_4_2"]
+    lo, hi = p["norm_over_rest"]
+    holds = "yes" if p["within"] == p["tokens"] else "NO "
+    bound = "sqrt(N/(N-1)) (1 - pi_j) <= ||e_j - pi|| <= sqrt(2) (1 - pi_j)"
+    checks = [f"[{holds}] Prop. 4.2, {bound}, holds on {p['within']} of {p['tokens']} sampled "
+              f"tokens: ||e_j - pi|| / (1 - pi_j) from {lo:.3f} to {hi:.3f}"]
+    rose = r["figure3"]["rose"]["grpo"]
+    gap = rose[0] - rose[3]
+    declines = "yes" if gap >= 0.05 else "NO "
+    checks.append(f"[{declines}] GRPO's top bin rose at least 0.05 less often than its lowest: "
+                  f"{fmt_list(rose)} (lowest - top {gap:+.3f})")
+    for method, shares in r["figure3"]["rose"].items():
+        checks.append(f"[own runs] {method} rose {fmt_list(shares)}")
+    for method, d in r["figure3"]["paired"].items():
+        verdict = "does not resolve"
+        if d["resolved"][3]:
+            verdict = "raises" if d["delta"][3] > 0 else "lowers"
+        every_bin = fmt_list(d["delta"], "+.3f")
+        checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
+                      f"{d['delta'][3]:+.3f}, p {d['p'][3]:.3f}; every bin {every_bin}")
+    return checks
+
+
 
 # --- K&K puzzles: the benchmark's generator and solver, Logic-RL's files
 
@@ -1707,37 +1803,6 @@ def log_evaluation(out: Path, step: int, record: dict) -> None:
 
 
 # --- diagnose: Figure 1, and Figure 3 paired along a trajectory
-
-
-def sign_patterns(units: int, resamples: int) -> Tensor:
-    if units <= 12:  # all 2^units patterns, else `resamples` random ones
-        return torch.tensor(list(itertools.product((1.0, -1.0), repeat=units)), dtype=torch.float64)
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, 2, (resamples, units), generator=generator).double() * 2 - 1
-
-
-def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
-    """Per method and bin, over units (steps, or seeds' sums) of paired_counts: its share of A > 0
-    tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0.
-    'resolved' is p < 0.05, which 5 units never reach (p >= 2/32)."""
-    def counts(method: str, key: str) -> Tensor:  # (U, 4)
-        return torch.tensor([u[method][f"update/{key}"] for u in units], dtype=torch.float64)
-
-    n = counts(reference, "pos_tokens")
-    reference_rose = counts(reference, "pos_rose")
-    signs = sign_patterns(len(units), resamples)  # (S, U)
-    out = {}
-    for method in [m for m in units[0] if m != reference]:
-        d = counts(method, "pos_rose") - reference_rose  # (U, 4): rose, minus the reference's
-        as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
-        if len(units) <= 12:
-            p = as_extreme / len(signs)
-        else:
-            p = (as_extreme + 1) / (len(signs) + 1)  # random patterns: never 0
-        delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
-        resolved = [x is not None and q < 0.05 for x, q in zip(delta, p.tolist())]
-        out[method] = {"delta": delta, "p": p.tolist(), "resolved": resolved}
-    return out
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
