@@ -59,7 +59,6 @@ def broadcast_to_tokens(advantages: Tensor, like: Tensor) -> Tensor:
     return advantages.float().expand(like.shape)  # (B, T)
 
 
-
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
     """GRPO's outcome advantage, one per response (official: compute_grpo_outcome_advantage):
 
@@ -80,14 +79,15 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return advantages.view(-1)  # (B,)
 
 
-
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
-                   chunk_elems: int = 2**24) -> Tensor:
-    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T), in
-    chunks of ~chunk_elems logits. The softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest,
-    which fp32 rounds in steps of 6e-8, so an update's change to such a token would read as none."""
-    return _logprobs_in_chunks(logits, tokens, temperature, None, chunk_elems)
-
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T). The
+    softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest, which fp32 rounds in steps of 6e-8,
+    so an update's change to such a token would read as none. (An LM's: hidden_logprobs, below.)"""
+    z = logits.float() / temperature  # (B, T, V)
+    top = z.detach().amax(-1, keepdim=True)  # (B, T, 1): a shift, whose gradient would cancel
+    log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (B, T): log(1 + rest), in fp64
+    chosen = (z.gather(-1, tokens.unsqueeze(-1)) - top).squeeze(-1)  # (B, T)
+    return (chosen - log_sum).float()  # (B, T)
 
 
 def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) -> Tensor:
@@ -103,7 +103,6 @@ def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) 
     return weight * broadcast_to_tokens(advantages, old_logprobs)  # (B, T)
 
 
-
 def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
     """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest, two
     (B, T) masks. (The official seperate_prob = 0 switches to a quantile split, which its scripts
@@ -115,7 +114,6 @@ def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor,
     low = response & (pi_old < eta)  # (B, T)
     high = response & ~low  # (B, T)
     return low, high
-
 
 
 def logit_gradient_bounds(probs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,7 +132,6 @@ def logit_gradient_bounds(probs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor
     lower = math.sqrt(vocab / (vocab - 1)) * rest  # (...)
     upper = math.sqrt(2) * rest  # (...)
     return lower, norm, upper
-
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
@@ -196,12 +193,13 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
 @dataclass
 class Config:
     """Every field is a flag (--field value); PRESETS change a few. Defaults: the paper's K&K run
-    (Qwen2.5-3B, scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig are TRL's."""
+    (Qwen2.5-3B, scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig are TRL's.
+    check_config (below the first read) checks the ranges."""
 
     # --- method
     alpha: float = 0.3
-    """Advantage Reweighting strength, Eq. 4; 0 is GRPO (paper: 0.3 on K&K, 0.1 on math; official:
-    reweight_k)."""
+    """Advantage Reweighting strength, Eq. 4; 0 is GRPO (official: reweight_k; its K&K scripts: 0.3
+    with Lopti, 0.2 alone; the paper's math runs: 0.1)."""
     lopti: bool = True
     """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
     eta: float = 0.5
@@ -210,21 +208,21 @@ class Config:
     """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO)."""
     # --- PPO / GRPO update
     epsilon: float = 0.2
-    """Lower clip range of the ratio."""
+    """The ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float = 0.24
-    """Upper clip range of the ratio (the official K&K scripts clip asymmetrically)."""
+    """(The official K&K scripts clip asymmetrically.)"""
     dual_clip: float = 10.0
     """Dual-clip constant for A < 0 (the official code's clip_ratio_c; not in the paper)."""
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
-    """Constant learning rate."""
+    """Constant, as in the official scripts."""
     optimizer: str = "adamw"
     """'adamw' (betas 0.9/0.999) or 'sgd', without momentum or decay (the paper's analysis: SGD)."""
     weight_decay: float = 0.01
-    """AdamW weight decay."""
+    """AdamW's, decoupled (SGD has none)."""
     max_grad_norm: float = 1.0
-    """Global gradient-norm clip per optimiser step."""
+    """Clip of the gradients' global norm before each optimiser step."""
     mini_batch_size: int = 256
     """Responses per optimiser step (paper: 512 per RL step, 2 optimiser steps per pass)."""
     micro_batch_size: int = 4
@@ -235,20 +233,20 @@ class Config:
     model: str = "Qwen/Qwen2.5-3B-Instruct"
     """Hub id or local folder of a causal LM with a chat template."""
     prompts_per_step: int = 64
-    """Prompts per RL step."""
+    """Prompts per RL step, each sampled num_generations times."""
     num_generations: int = 8
     """Group size G: samples per prompt."""
     temperature: float = 0.7
     """Sampling temperature T. Every log-prob (current, old, reference) is of logits / T, as the
     official actor's; else the first ratio is not 1 and Lopti's split moves."""
     max_completion_length: int = 4096
-    """Longest completion, in tokens."""
+    """Tokens a completion may have; a longer one is cut and scored as it stands."""
     generation_batch_size: int = 0
     """Sequences per generate() call (0: all at once); smaller bounds the KV cache's memory."""
     stop_at_answer: bool = False
     """End completions at their first '</answer>' (the paper's end at EOS)."""
     gradient_checkpointing: bool = False
-    """Trade compute for memory in the update's forward passes."""
+    """Recompute the update's activations in its backward pass: less memory, more time."""
     # --- task, warm-up and schedule
     warmup_steps: int = 0
     """Supervised steps on the solver's case analysis before RL (kk_case_analysis; the paper: 0)."""
@@ -269,7 +267,7 @@ class Config:
     eval_every: int = 50
     """Evaluate every this many steps; always at step 0 (after the warm-up) and at the end."""
     eval_batch_size: int = 32
-    """Prompts per greedy-generation batch in evaluation."""
+    """Prompts per greedy generate() call in evaluation (memory only)."""
     save_every: int = 50
     """Checkpoint every this many steps (and at the end, and on Ctrl-C or SIGTERM)."""
     measure_update: bool = True
@@ -280,43 +278,15 @@ class Config:
     """Seeds data order, sampling and generated puzzles."""
 
     def __post_init__(self):
-        """Checked before anything loads; main prints the error's one line."""
-        for f in fields(self):
-            if isinstance(getattr(self, f.name), float):
-                self._require(f.name, math.isfinite(getattr(self, f.name)), "a finite number")
-        for name in ("epsilon", "epsilon_high", "beta", "weight_decay", "generation_batch_size",
-                     "eval_every", "save_every", "seed", "warmup_steps"):
-            self._require(name, getattr(self, name) >= 0, ">= 0")
-        for name in ("learning_rate", "warmup_learning_rate", "temperature", "max_grad_norm",
-                     "micro_batch_size", "num_iterations", "num_train", "max_completion_length",
-                     "steps", "eval_size", "eval_batch_size", "prompts_per_step", "num_generations"):
-            self._require(name, getattr(self, name) > 0, "> 0")
-        self._require("alpha", 0 <= self.alpha <= 1, "in [0, 1]")
-        self._require("eta", 0 < self.eta <= 1, "in (0, 1]")
-        self._require("dual_clip", self.dual_clip > 1, "> 1")
-        lo, hi = people_range(self.num_people)
-        self._require("num_people", 2 <= lo <= hi <= 8, "within 2..8")
-        self._require("lopti_order", self.lopti_order in ("low_first", "high_first"),
-                      "low_first or high_first")
-        self._require("optimizer", self.optimizer in ("adamw", "sgd"), "adamw or sgd")
-        rollout_size = self.prompts_per_step * self.num_generations
-        mini = self.mini_batch_size
-        divides = mini > 0 and rollout_size % mini == 0 and mini % self.micro_batch_size == 0
-        allowed = f"a divisor of prompts_per_step * num_generations ({rollout_size}), x micro size"
-        self._require("mini_batch_size", divides, allowed)
-
-    def _require(self, name: str, ok: bool, allowed: str) -> None:
-        if not ok:
-            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        check_config(self)  # the ranges, in the harness: a wrong value is one line
 
 
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW as the official scripts train, or SGD: p <- p - lr * g. (verl 0.1's constant schedule
-    gives a run's first update_actor call, under Lopti the low pass of step 1, a learning rate of 0;
-    here every pass has cfg.learning_rate.)"""
+    # Ours: every pass has cfg.learning_rate (verl 0.1's constant schedule gives a run's first
+    # update_actor call, under Lopti step 1's low pass, a learning rate of 0)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
     params = model.parameters()
@@ -324,13 +294,12 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
                              fused=True)
 
 
-
 def rows_with_gradient(advantages: Tensor, beta: float) -> Tensor:
-    """(B,) bool: rows with a non-zero advantage, or all when beta > 0 (the KL term). The rest have
-    no gradient: no pi_old, forward or backward."""
+    """(B,) bool: the rows with a gradient, those with A != 0, or all when beta > 0 (the KL term).
+    An optimisation, not in the paper: the other rows get no pi_old, forward or backward pass, and
+    their tokens still count in the token-mean's denominator."""
     nonzero = (advantages != 0).view(len(advantages), -1).any(1)  # (B,)
     return nonzero | (beta > 0)
-
 
 
 def lopti_stages(cfg: Config, mask: Tensor, old_logprobs: Tensor) -> list[tuple[str, Tensor]]:
@@ -345,7 +314,6 @@ def lopti_stages(cfg: Config, mask: Tensor, old_logprobs: Tensor) -> list[tuple[
     return stages
 
 
-
 def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, batch: dict):
     """One RL step's update: AR (Eq. 4), then GRPO's pass or Lopti's two (Algorithm 1). `batch`:
     (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and what
@@ -354,45 +322,44 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, 
     # Eq. 4 first: Lopti splits the reweighted advantages
     old_logprobs = batch["old_logprobs"]  # (B, T)
     advantages = reweight_advantages(batch["advantages"], old_logprobs, cfg.alpha)  # (B, T)
-    # the tokens of rows with a gradient
-    has_gradient = mask & rows_with_gradient(batch["advantages"], cfg.beta)[:, None]  # (B, T)
+    with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
     metrics = {}
     # Algorithm 1. Stage 1: the low-probability tokens (pi_old < eta) get a complete update pass.
     # Stage 2: the rest get one, from stage 1's weights and optimiser state, with the same pi_old
     # and split.
     for name, stage_mask in lopti_stages(cfg, mask, old_logprobs):
         stage_advantages = advantages * stage_mask  # (B, T): 0 outside this stage
-        pass_metrics = update_pass(cfg, name, logprob_fn, optimizer, batch, stage_advantages,
-                                   stage_mask, has_gradient)
+        pass_metrics = update_pass(cfg, name, logprob_fn, optimizer=optimizer, batch=batch,
+                                   advantages=stage_advantages, stage_mask=stage_mask,
+                                   with_gradient=with_gradient)
         metrics.update(pass_metrics)
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return metrics
 
 
-
-def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: dict,
-                advantages: Tensor, stage_mask: Tensor, has_gradient: Tensor) -> dict:
+def update_pass(cfg: Config, name: str, logprob_fn: Callable, *, optimizer, batch: dict,
+                advantages: Tensor, stage_mask: Tensor, with_gradient: Tensor) -> dict:
     """A complete pass over the rollout, num_iterations times: an optimiser step per mini-batch, its
-    micro-batches' gradients accumulated. Rows without a gradient in this stage are not computed but
-    count in the token-mean's denominator."""
+    micro-batches' gradients accumulated."""
     t0 = time.perf_counter()
     mask = batch["mask"].bool()  # (B, T)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    rows_in_pass = (has_gradient & stage_mask).any(1).cpu()  # (B,)
+    tokens_with_gradient = mask & with_gradient[:, None]  # (B, T)
+    stage_rows = (with_gradient & stage_mask.any(1)).cpu()  # (B,): rows with a gradient here
     totals = collections.Counter()
     losses, grad_norms = [], []
     for _ in range(cfg.num_iterations):
         for start in range(0, len(mask), cfg.mini_batch_size):
             mini_batch = torch.arange(start, min(start + cfg.mini_batch_size, len(mask)))
-            computed = mini_batch[rows_in_pass[mini_batch]]
-            if len(computed) == 0:
+            rows = mini_batch[stage_rows[mini_batch]]
+            if len(rows) == 0:
                 continue  # ours: no gradient, no step (the official code steps; AdamW still moves)
-            # The mini-batch's response tokens, in both stages (ours: the official code averages
-            # each micro-batch, then divides by their number)
+            # The token-mean's denominator: every response token of the mini-batch, in both stages
+            # (ours: the official code averages each micro-batch, then divides by their number)
             num_tokens = mask[mini_batch].sum()
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for micro in computed.split(cfg.micro_batch_size):
+            for micro in rows.split(cfg.micro_batch_size):
                 micro_batch = {k: v[micro] for k, v in batch.items()}
                 logprobs = logprob_fn(micro_batch)  # (b, T)
                 loss, stats = policy_loss(
@@ -409,23 +376,24 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, optimizer, batch: 
             optimizer.step()
             grad_norms.append(grad_norm)
             losses.append(loss_sum)  # (a tensor: read once, after the pass)
+    token_share = divide((stage_mask & tokens_with_gradient).sum(), tokens_with_gradient.sum())
     return {f"{name}/loss": divide(sum(losses), len(losses)),
             f"{name}/grad_norm": divide(sum(grad_norms), len(grad_norms)),
             f"{name}/clip_high": divide(totals["clip_high"], totals["tokens"]),
             f"{name}/clip_low": divide(totals["clip_low"], totals["tokens"]),
             f"{name}/kl_ref": divide(totals["kl_ref"], totals["kl_tokens"]),
-            f"{name}/token_share": divide((stage_mask & has_gradient).sum(), has_gradient.sum()),
+            f"{name}/token_share": token_share,
             f"time/update_{name}": time.perf_counter() - t0}
-
 
 
 def divide(total, count) -> float:
     return float(total) / max(float(count), 1.0)
 
 
-# ====== Figures 1 and 3 of a step's own update, per pi_old bin [0,.25], (.25,.5], (.5,.75], (.75,1] ======
-# Figure 1 (measure_bins): each bin's share of the tokens and its gradient's norm. Figure 3
-# (update_counts): the share of A > 0 tokens whose probability an update raised.
+# ====== Figures 1 and 3 of a step's own update, per pi_old bin ======
+# Bins [0,.25], (.25,.5], (.5,.75], (.75,1]. Figure 1 (measure_bins): each bin's share of the
+# tokens and its gradient's norm. Figure 3 (update_counts): the share of A > 0 tokens whose
+# probability an update raised.
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
 
@@ -437,6 +405,10 @@ def bin_masks(old_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.stack([(bins == b) & mask.bool() for b in range(4)])
 
 
+def count_per_bin(tokens: Tensor) -> list[int]:
+    """(4, B, T) bool -> the count in each bin."""
+    return tokens.sum((1, 2)).tolist()
+
 
 def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tensor,
                   old_logprobs: Tensor | None = None) -> dict[str, list[int]]:
@@ -447,21 +419,21 @@ def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tenso
     if old_logprobs is None:
         old_logprobs = before
     bins = bin_masks(old_logprobs, mask)  # (4, B, T)
-    adv_sign = broadcast_to_tokens(advantages, before).sign()  # (B, T)
-    move = (after - before).sign()  # (B, T): 1 rose, -1 fell, 0 tied
-    counts = {}
-    for sign, name, good, bad in ((1, "pos", "rose", "fell"), (-1, "neg", "fell", "rose")):
-        tokens = bins & (adv_sign == sign)  # (4, B, T)
-        counts[f"update/{name}_tokens"] = tokens.sum((1, 2)).tolist()
-        counts[f"update/{name}_{good}"] = (tokens & (move == sign)).sum((1, 2)).tolist()
-        counts[f"update/{name}_{bad}"] = (tokens & (move == -sign)).sum((1, 2)).tolist()
-    return counts
-
+    adv = broadcast_to_tokens(advantages, before)  # (B, T)
+    pos = bins & (adv > 0)  # (4, B, T)
+    neg = bins & (adv < 0)  # (4, B, T)
+    rose = after > before  # (B, T)
+    fell = after < before  # (B, T)
+    return {"update/pos_tokens": count_per_bin(pos),
+            "update/pos_rose": count_per_bin(pos & rose),
+            "update/pos_fell": count_per_bin(pos & fell),
+            "update/neg_tokens": count_per_bin(neg),
+            "update/neg_fell": count_per_bin(neg & fell),
+            "update/neg_rose": count_per_bin(neg & rose)}
 
 
 def global_norm(tensors) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
-
 
 
 def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict) -> dict:
@@ -472,9 +444,9 @@ def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict
     mask = batch["mask"].bool()  # (B, T)
     bins = bin_masks(batch["old_logprobs"], mask)  # (4, B, T)
     num_tokens = mask.sum()
-    grads = [[torch.zeros_like(p) for p in params] for _ in bins]  # per bin
-    rows = rows_with_gradient(batch["advantages"], 0.0).nonzero().squeeze(1).cpu()
-    for micro in split_rows(rows, micro_batch_size):
+    bin_grads = [[torch.zeros_like(p) for p in params] for _ in bins]  # [bin][parameter]
+    with_gradient = rows_with_gradient(batch["advantages"], 0.0)  # (B,): the rest may lack pi_old
+    for micro in split_rows(with_gradient.nonzero().squeeze(1).cpu(), micro_batch_size):
         micro_batch = {k: v[micro] for k, v in batch.items()}
         logprobs = logprob_fn(micro_batch)  # (b, T)
         advantages = broadcast_to_tokens(micro_batch["advantages"], logprobs)  # (b, T)
@@ -482,19 +454,20 @@ def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict
             bin_advantages = advantages * bin_mask[micro]  # (b, T)
             loss, _ = policy_loss(logprobs, logprobs.detach(), bin_advantages, mask[micro],
                                   num_tokens=num_tokens)
-            keep = b < len(bins) - 1  # the next bins backpropagate through the same forward
-            bin_grads = torch.autograd.grad(loss, params, retain_graph=keep, materialize_grads=True)
-            for total, grad in zip(grads[b], bin_grads):
+            last_bin = b == len(bins) - 1  # the graph of this forward is kept for the next bins
+            grads = torch.autograd.grad(loss, params, retain_graph=not last_bin,
+                                        materialize_grads=True)
+            for total, grad in zip(bin_grads[b], grads):
                 total += grad
-    # the other rows may have no pi_old
-    has_gradient = mask & rows_with_gradient(batch["advantages"], 0.0)[:, None]  # (B, T)
+    tokens_with_gradient = mask & with_gradient[:, None]  # (B, T)
     shares = []
     for bin_mask in bins:
-        tokens = (bin_mask & has_gradient).sum()
-        shares.append(float(tokens / has_gradient.sum()) if has_gradient.any() else None)
-    all_tokens = [sum(per_param) for per_param in zip(*grads)]
-    return {"token_share": shares,
-            "grad_norm": {"bins": [global_norm(g) for g in grads], "all": global_norm(all_tokens)}}
+        tokens = (bin_mask & tokens_with_gradient).sum()
+        share = tokens / tokens_with_gradient.sum()
+        shares.append(float(share) if tokens_with_gradient.any() else None)
+    all_grads = [sum(bin_grad[k] for bin_grad in bin_grads) for k in range(len(params))]  # summed
+    grad_norms = {"bins": [global_norm(g) for g in bin_grads], "all": global_norm(all_grads)}
+    return {"token_share": shares, "grad_norm": grad_norms}
 
 
 # ====== Knights and Knaves: the paper's task, its prompt and reward (Logic-RL's) ======
@@ -507,12 +480,13 @@ KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of complet
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
 THINK_PREFIX = "<think>"  # pre-fills the assistant turn; the reward reads it as part of the text
 KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>" included
-    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
-    "then provides the user with the answer. The reasoning process and answer are enclosed within "
-    "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
-    "</think><answer> answer here </answer>.  Now the user asks you to solve a logical reasoning problem. "
-    "After thinking, when you finally reach a conclusion, clearly state the identity of each character "
-    "within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.\n")
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind "
+    "and then provides the user with the answer. The reasoning process and answer are enclosed "
+    "within <think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning "
+    "process here </think><answer> answer here </answer>.  Now the user asks you to solve a logical "
+    "reasoning problem. After thinking, when you finally reach a conclusion, clearly state the "
+    "identity of each character within <answer> </answer> tags. i.e., <answer> (1) Zoey is a "
+    "knight\n(2) ... </answer>.\n")
 
 
 def kk_prompt(tokenizer, quiz: str) -> str:
@@ -523,7 +497,6 @@ def kk_prompt(tokenizer, quiz: str) -> str:
     return text + THINK_PREFIX
 
 
-
 def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
     """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex."""
     roles = {}
@@ -532,7 +505,6 @@ def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
         if match:
             roles[match.group(1)] = match.group(2).lower()
     return roles
-
 
 
 def kk_reward(completion: str, solution_text_format: str) -> float:
@@ -561,7 +533,6 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
     return KK_MAX_REWARD if said == truth else -0.5
 
 
-
 def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
     """Logic-RL's rewards (B,) of completions as generated after THINK_PREFIX."""
     return torch.tensor([kk_reward(THINK_PREFIX + c, s) for c, s in zip(completions, solutions)])
@@ -577,7 +548,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
 
 
-
 def completion_mask(completions: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
     """The response tokens, by position: up to and including the first EOS; and (B,) truncated (no
     EOS). By value (tokens != pad) the EOS is lost when pad == EOS: the model never learns to stop.
@@ -587,7 +557,6 @@ def completion_mask(completions: Tensor, eos_ids: list[int]) -> tuple[Tensor, Te
     is_eos = torch.isin(completions, eos).long()  # (B, C)
     eos_before = is_eos.cumsum(1) - is_eos  # (B, C): EOS tokens strictly before each position
     return eos_before == 0, is_eos.sum(1) == 0
-
 
 
 @torch.no_grad()
@@ -605,32 +574,13 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device, greedy: b
     gen_cfg = GenerationConfig(do_sample=not greedy, repetition_penalty=1.0, eos_token_id=eos_ids,
                                pad_token_id=tokenizer.pad_token_id, stop_strings=stop,
                                max_new_tokens=cfg.max_completion_length, **sampling)
-    # generate() fills fields left at their defaults from the model's generation config (Qwen's:
-    # top_p 0.8, top_k 20, repetition_penalty 1.05), so ours replaces it while generating
-    saved_gen_cfg = model.generation_config
-    model.generation_config = gen_cfg
-    chunk = cfg.generation_batch_size or len(prompts)
-    parts = []
-    try:
-        for i in range(0, len(prompts), chunk):
-            ids = encoded["input_ids"][i:i + chunk]  # (b, P)
-            attention = encoded["attention_mask"][i:i + chunk]  # (b, P)
-            shared = len(torch.unique(ids, dim=0)) < len(ids)
-            with autocast(device):  # a group's prompt runs once (prefix_cache), not G times
-                cache = prefix_cache(model, ids[:, :-1], attention[:, :-1])[0] if shared else None
-                out = model.generate(input_ids=ids, attention_mask=attention, cache=cache,
-                                     generation_config=gen_cfg, tokenizer=tokenizer)
-            parts.append(out[:, ids.shape[1]:])  # (b, C_i)
-    finally:
-        model.generation_config = saved_gen_cfg
-    length = max(part.shape[1] for part in parts)
-    pad = tokenizer.pad_token_id
-    padded = [torch.nn.functional.pad(p, (0, length - p.shape[1]), value=pad) for p in parts]
-    completions = torch.cat(padded)  # (B, C)
+    completions = generate_completions(model, tokenizer, encoded, gen_cfg,
+                                       batch_size=cfg.generation_batch_size)  # (B, C)
     mask, truncated = completion_mask(completions, eos_ids)  # (B, C), (B,)
     if cfg.stop_at_answer:
         mask, stopped = cut_at(tokenizer, completions, mask, "</answer>")
         truncated = truncated & ~stopped
+    pad = tokenizer.pad_token_id
     texts = tokenizer.batch_decode(torch.where(mask, completions, pad), skip_special_tokens=True)
     input_ids = torch.cat([encoded["input_ids"], completions], 1)  # (B, P + C)
     attention_mask = torch.cat([encoded["attention_mask"], torch.ones_like(completions)], 1)
@@ -638,65 +588,86 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device, greedy: b
             "truncated": truncated, "texts": texts}
 
 
-
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device,
-               probe: Callable | None = None) -> dict:
-    """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions
-    ("samples"). `probe(batch, logprob_fn, measure, before)` runs before the update (diagnose); no
-    optimizer, no update."""
+def rollout_and_score(cfg: Config, model, ref_model, tokenizer, rows, device) -> tuple[dict, dict]:
+    """Algorithm 1, lines 3-5, on K&K rows: G completions per prompt from pi_old, their rewards and
+    group advantages, and pi_old's (and the reference's) log-probs, fixed for the step. Returns the
+    batch and the step's rollout metrics, with the first prompt's G completions ("samples")."""
     G = cfg.num_generations
     t0 = time.perf_counter()
-    # Rollout: G completions per prompt from pi_old
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
-    batch = rollout(model, tokenizer, prompts, cfg, device)
+    batch = rollout(model, tokenizer, prompts, cfg=cfg, device=device)
     t1 = time.perf_counter()
     # Outcome rewards, GRPO's group advantage
     solutions = [solution for solution in rows["solution_text_format"] for _ in range(G)]
     rewards = kk_rewards(batch["texts"], solutions)  # (B,)
     batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
-    # pi_old (and the reference's) by a no-grad pass, fixed for the step, of rows with a gradient
-    needed = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
-    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device, needed)  # (B, C)
+    # pi_old (and the reference's) by a no-grad pass
+    with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
+    batch["old_logprobs"] = batched_logprobs(model, batch, cfg, device=device, rows=with_gradient)
     if ref_model is not None:
-        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device, needed)  # (B, C)
+        batch["ref_logprobs"] = batched_logprobs(ref_model, batch, cfg, device=device,
+                                                 rows=with_gradient)
     t2 = time.perf_counter()
-    # Figure 3's before and after by one pass, so an unmoved token compares equal: pi_old's, or under
-    # bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6 moves)
-    fp32 = has_bf16(device)
-    measure = functools.partial(batched_logprobs, model, batch, cfg, device, needed, fp32)
-    before = measure() if fp32 and cfg.measure_update else batch["old_logprobs"]
-    if device.type == "cuda":  # CUDA is asynchronous: wait, or this time lands in the update's
-        torch.cuda.synchronize(device)
-    t3 = time.perf_counter()
+    groups = rewards.view(-1, G)  # (P, G)
+    zero_spread = (groups == groups[:, :1]).all(1)  # (P,): no advantage, no learning
+    first_group = zip(rewards[:G].tolist(), batch["texts"])
+    samples = [{"reward": r, "completion": THINK_PREFIX + text} for r, text in first_group]
+    metrics = {"reward": rewards.mean().item(),
+               "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
+               "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
+               "zero_std_groups": zero_spread.float().mean().item(),
+               "completion_length": batch["mask"].sum(1).float().mean().item(),
+               "truncated": batch["truncated"].float().mean().item(),
+               "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "samples": samples}
+    return batch, metrics
+
+
+def update_and_measure(cfg: Config, model, optimizer, batch: dict, device,
+                       probe: Callable | None = None) -> dict:
+    """The update (Algorithm 1) of a scored batch, then its Figure 3 (update_counts). `probe(batch,
+    logprob_fn, measure, before)` runs before the update (diagnose); no optimizer, no update."""
+    t0 = time.perf_counter()
+    # Figure 3's before and after by one pass, so an unmoved token compares equal: pi_old's, or
+    # under bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6 moves)
+    with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
+    measure_in_fp32 = has_bf16(device)
+    measure = functools.partial(batched_logprobs, model, batch, cfg, device=device,
+                                rows=with_gradient, fp32=measure_in_fp32)
+    before = measure() if measure_in_fp32 and cfg.measure_update else batch["old_logprobs"]
+    wait_for_device(device)  # (CUDA is asynchronous: else this time lands in the update's)
+    measure_time = time.perf_counter() - t0
 
     def logprob_fn(micro: dict) -> Tensor:
         with autocast(device):
             return completion_logprobs(model, micro, cfg.temperature)
 
-    tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor) and k != "truncated"}
+    update_keys = ("input_ids", "attention_mask", "mask", "advantages", "old_logprobs",
+                   "ref_logprobs")
+    tensors = {k: batch[k] for k in update_keys if k in batch}
     model.train()  # for gradient checkpointing; dropout is off (load_model)
     metrics = probe(tensors, logprob_fn, measure, before) if probe else {}
-    if optimizer is not None:
-        # The update (Algorithm 1), then its Figure 3
-        metrics.update(update_policy(cfg, logprob_fn, optimizer, tensors))
-        if cfg.measure_update:
-            t4 = time.perf_counter()
-            after = measure()
-            advantages, mask, old = batch["advantages"], batch["mask"], batch["old_logprobs"]
-            metrics.update(update_counts(before, after, advantages, mask, old))
-            metrics["time/measure"] = time.perf_counter() - t4 + t3 - t2
-    groups = rewards.view(-1, G)  # (P, G)
-    zero_spread = (groups == groups[:, :1]).all(1)  # (P,): no advantage, no learning
-    first_group = zip(rewards[:G].tolist(), batch["texts"])
-    samples = [{"reward": r, "completion": THINK_PREFIX + text} for r, text in first_group]
-    return {"reward": rewards.mean().item(),
-            "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
-            "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
-            "zero_std_groups": zero_spread.float().mean().item(),
-            "completion_length": batch["mask"].sum(1).float().mean().item(),
-            "truncated": batch["truncated"].float().mean().item(),
-            **metrics, "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "samples": samples}
+    if optimizer is None:
+        return metrics
+    metrics.update(update_policy(cfg, logprob_fn, optimizer, tensors))
+    if cfg.measure_update:
+        t0 = time.perf_counter()
+        after = measure()
+        counts = update_counts(before, after, advantages=batch["advantages"], mask=batch["mask"],
+                               old_logprobs=batch["old_logprobs"])
+        metrics.update(counts)
+        metrics["time/measure"] = measure_time + time.perf_counter() - t0
+    return metrics
 
+
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device,
+               probe: Callable | None = None) -> dict:
+    """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions
+    ("samples"). `probe` and no optimizer: update_and_measure."""
+    batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer=tokenizer, rows=rows,
+                                       device=device)
+    update_metrics = update_and_measure(cfg, model, optimizer, batch=batch, device=device,
+                                        probe=probe)
+    return {**metrics, **update_metrics}
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
@@ -717,7 +688,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
     start_run_files(out, cfg, start)
 
     def evaluate_and_log(step: int) -> None:
-        log_evaluation(out, step, evaluate(model, tokenizer, eval_rows, cfg, device))
+        accuracy = evaluate(model, tokenizer, eval_rows, cfg=cfg, device=device)
+        log_evaluation(out, step, accuracy)
 
     with StopOnSignal() as stop, tqdm(initial=start, total=cfg.steps, desc="train") as progress:
         if evaluation_due(cfg, start) and not evaluated(out, start):
@@ -726,20 +698,21 @@ def train(cfg: Config, resume: bool = False) -> Path:
         while step < cfg.steps and not stop.signum:
             step += 1
             rows = train_rows[step_rows(len(train_rows), cfg, step - 1)]
-            metrics = train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device)
+            metrics = train_step(cfg, model, ref_model, tokenizer=tokenizer, optimizer=optimizer,
+                                 rows=rows, device=device)
             check_finite(model, step)
             samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
             append_jsonl(out / "samples.jsonl", samples)
             metrics = {"step": step, "learning_rate": cfg.learning_rate, **metrics}
             append_jsonl(out / "metrics.jsonl", metrics)
             if checkpoint_due(cfg, step) or stop.signum:
-                save_checkpoint(out, model, tokenizer, optimizer, step)
+                save_checkpoint(out, model, tokenizer, optimizer=optimizer, step=step)
             if evaluation_due(cfg, step) and not stop.signum:
                 evaluate_and_log(step)
             progress.update()
         if stop.signum:
             if not (out / f"checkpoint-{step}").exists():  # the signal came during an evaluation
-                save_checkpoint(out, model, tokenizer, optimizer, step)
+                save_checkpoint(out, model, tokenizer, optimizer=optimizer, step=step)
             print(f"lopti.py train: stopped after step {step}, saved; continue with --resume",
                   file=sys.stderr)
             raise SystemExit(128 + stop.signum)
@@ -753,6 +726,38 @@ def train(cfg: Config, resume: bool = False) -> Path:
 # --- Config's ranges
 
 
+def check_config(cfg: Config) -> None:
+    """Config's ranges, checked before anything loads; main prints the error's one line."""
+    for f in fields(cfg):
+        if isinstance(getattr(cfg, f.name), float):
+            _require(cfg, f.name, math.isfinite(getattr(cfg, f.name)), "a finite number")
+    for name in ("epsilon", "epsilon_high", "beta", "weight_decay", "generation_batch_size",
+                 "eval_every", "save_every", "seed", "warmup_steps"):
+        _require(cfg, name, getattr(cfg, name) >= 0, ">= 0")
+    for name in ("learning_rate", "warmup_learning_rate", "temperature", "max_grad_norm",
+                 "micro_batch_size", "num_iterations", "num_train", "max_completion_length",
+                 "steps", "eval_size", "eval_batch_size", "prompts_per_step", "num_generations"):
+        _require(cfg, name, getattr(cfg, name) > 0, "> 0")
+    _require(cfg, "alpha", 0 <= cfg.alpha <= 1, "in [0, 1]")
+    _require(cfg, "eta", 0 < cfg.eta <= 1, "in (0, 1]")
+    _require(cfg, "dual_clip", cfg.dual_clip > 1, "> 1")
+    lo, hi = people_range(cfg.num_people)
+    _require(cfg, "num_people", 2 <= lo <= hi <= 8, "within 2..8")
+    _require(cfg, "lopti_order", cfg.lopti_order in ("low_first", "high_first"),
+             "low_first or high_first")
+    _require(cfg, "optimizer", cfg.optimizer in ("adamw", "sgd"), "adamw or sgd")
+    rollout_size = cfg.prompts_per_step * cfg.num_generations
+    mini = cfg.mini_batch_size
+    divides = mini > 0 and rollout_size % mini == 0 and mini % cfg.micro_batch_size == 0
+    allowed = f"a divisor of prompts_per_step * num_generations ({rollout_size}), x micro size"
+    _require(cfg, "mini_batch_size", divides, allowed)
+
+
+def _require(cfg: Config, name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {getattr(cfg, name)!r}")
+
+
 def people_range(spec: str) -> tuple[int, int]:
     """'3-7' -> (3, 7); '5' -> (5, 5)."""
     lo, _, hi = spec.partition("-")
@@ -761,46 +766,32 @@ def people_range(spec: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-
 # --- An LM's log-probs: the output layer in chunks, and a group's shared prompt run once
 
 
-def _chunk_logprobs(x: Tensor, tokens: Tensor, temperature: float, head) -> Tensor:
-    """log softmax(z / T)[o] for one chunk of logits x (n, V), or of z = head(x)."""
-    logits = x if head is None else head(x)
-    z = logits.float() / temperature  # (n, V)
-    top = z.detach().amax(-1, keepdim=True)  # (n, 1): a constant shift, whose gradient would cancel
-    log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (n,): log(1 + rest), in fp64
-    chosen = (z.gather(-1, tokens.unsqueeze(-1)) - top).squeeze(-1)  # (n,)
-    return (chosen - log_sum).float()  # (n,)
-
-
-
-def _logprobs_in_chunks(x: Tensor, tokens: Tensor, temperature: float, head, chunk_elems: int):
-    vocab = x.shape[-1] if head is None else head.out_features
-    rows = max(1, chunk_elems // vocab)  # rows of ~chunk_elems logits
-    flat_x = x.reshape(-1, x.shape[-1])  # (B*T, V or H)
-    flat_tokens = tokens.reshape(-1)  # (B*T,)
-    recompute = head is not None and torch.is_grad_enabled()
-    chunks = []
-    for i in range(0, len(flat_tokens), rows):
-        args = (flat_x[i:i + rows], flat_tokens[i:i + rows], temperature, head)
-        if recompute:  # the backward pass recomputes this chunk's logits instead of storing them
-            chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            chunks.append(_chunk_logprobs(*args))
-    if not chunks:
-        return torch.zeros(tokens.shape, device=x.device)
-    return torch.cat(chunks).view(tokens.shape)  # (B, T)
-
+def _head_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float):
+    """token_logprobs of one chunk of hidden states (n, H), through the output layer."""
+    return token_logprobs(head(hidden), tokens, temperature)  # (n,)
 
 
 def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
                     chunk_elems: int = 2**24) -> Tensor:
-    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer:
-    the (B, T, V) logits never exist whole."""
-    return _logprobs_in_chunks(hidden, tokens, temperature, head, chunk_elems)
-
+    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer,
+    in chunks of ~chunk_elems logits: the (B, T, V) logits never exist whole. Under autograd the
+    backward pass recomputes a chunk's logits instead of storing them."""
+    rows = max(1, chunk_elems // head.out_features)  # rows of ~chunk_elems logits
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
+    flat_tokens = tokens.reshape(-1)  # (B*T,)
+    chunks = []
+    for i in range(0, len(flat_tokens), rows):
+        args = (flat_hidden[i:i + rows], head, flat_tokens[i:i + rows], temperature)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_head_logprobs(*args))
+    if not chunks:
+        return torch.zeros(tokens.shape, device=hidden.device)
+    return torch.cat(chunks).view(tokens.shape)  # (B, T)
 
 
 def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
@@ -816,7 +807,6 @@ def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
                            use_cache=True)
     out.cache.batch_select_indices(inverse)
     return out.cache, out.last_hidden_state[inverse, -1:]
-
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
@@ -841,7 +831,6 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     return hidden_logprobs(hidden, model.get_output_embeddings(), targets, temperature)  # (B, C)
 
 
-
 def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
     """sequence_logprobs (b, C) of a micro-batch, run only up to its longest completion (exact, as
     attention is causal); later columns are 0."""
@@ -853,7 +842,6 @@ def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
     attention_mask = micro["attention_mask"][:, :end]
     logprobs = sequence_logprobs(model, input_ids, attention_mask, used, temperature)  # (b, used)
     return torch.nn.functional.pad(logprobs, (0, C - used))  # (b, C)
-
 
 
 @torch.no_grad()
@@ -870,7 +858,6 @@ def batched_logprobs(model, batch: dict, cfg: Config, device, rows: Tensor | Non
     return out
 
 
-
 def split_rows(rows: Tensor, size: int) -> list[Tensor]:
     """Row indices in chunks of `size`; none for no rows (torch.split gives one empty chunk)."""
     if len(rows) == 0:
@@ -878,8 +865,35 @@ def split_rows(rows: Tensor, size: int) -> list[Tensor]:
     return list(rows.split(size))
 
 
-
 # --- The rollout's speed: generation in batches, a group's prompt run once, stop at </answer>
+
+
+def generate_completions(model, tokenizer, encoded: dict, gen_cfg, batch_size: int) -> Tensor:
+    """model.generate() in batches of `batch_size` rows (0: one batch), a group's shared prompt run
+    once (prefix_cache), not G times: the completions (B, C), right-padded."""
+    # generate() fills fields left at their defaults from the model's generation config (Qwen's:
+    # top_p 0.8, top_k 20, repetition_penalty 1.05), so ours replaces it while generating
+    saved_gen_cfg = model.generation_config
+    model.generation_config = gen_cfg
+    device = encoded["input_ids"].device
+    chunk = batch_size or len(encoded["input_ids"])
+    parts = []
+    try:
+        for i in range(0, len(encoded["input_ids"]), chunk):
+            ids = encoded["input_ids"][i:i + chunk]  # (b, P)
+            attention = encoded["attention_mask"][i:i + chunk]  # (b, P)
+            shared = len(torch.unique(ids, dim=0)) < len(ids)
+            with autocast(device):
+                cache = prefix_cache(model, ids[:, :-1], attention[:, :-1])[0] if shared else None
+                out = model.generate(input_ids=ids, attention_mask=attention, cache=cache,
+                                     generation_config=gen_cfg, tokenizer=tokenizer)
+            parts.append(out[:, ids.shape[1]:])  # (b, C_i)
+    finally:
+        model.generation_config = saved_gen_cfg
+    length = max(part.shape[1] for part in parts)
+    pad = tokenizer.pad_token_id
+    padded = [torch.nn.functional.pad(p, (0, length - p.shape[1]), value=pad) for p in parts]
+    return torch.cat(padded)  # (B, C)
 
 
 def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Tensor, Tensor]:
@@ -895,7 +909,6 @@ def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Ten
             mask[i, last + 1:] = False
             stopped[i] = True
     return mask, stopped
-
 
 
 # --- Figure 3 paired: every method's update from one state and batch, then undone
@@ -922,7 +935,6 @@ def method_config(cfg: Config, method: str) -> Config:
     return dataclasses.replace(cfg, **changes)
 
 
-
 def method_name(cfg: dict) -> str:
     """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation), from a run's config.json."""
     ar = cfg["alpha"] > 0
@@ -935,7 +947,6 @@ def method_name(cfg: dict) -> str:
     return name
 
 
-
 def pool_counts(records: list[dict]) -> dict[str, list[int]]:
     """update_counts of steps or runs, summed per bin."""
     pooled = {}
@@ -945,10 +956,8 @@ def pool_counts(records: list[dict]) -> dict[str, list[int]]:
     return pooled
 
 
-
 def per_bin(counts: list, totals: list) -> list:
     return [c / t if t else None for c, t in zip(counts, totals)]
-
 
 
 def figure3_shares(counts: dict) -> dict[str, list]:
@@ -961,7 +970,6 @@ def figure3_shares(counts: dict) -> dict[str, list]:
             "ties": per_bin(tied, tokens)}
 
 
-
 def copy_to_cpu(state):
     """A deep copy with its tensors on the CPU: the GPU holds one model and optimiser state."""
     if torch.is_tensor(state):
@@ -971,7 +979,6 @@ def copy_to_cpu(state):
     if isinstance(state, list):
         return [copy_to_cpu(v) for v in state]
     return copy.deepcopy(state)
-
 
 
 def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: dict,
@@ -993,13 +1000,11 @@ def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: di
     return counts
 
 
-
 def sign_patterns(units: int, resamples: int) -> Tensor:
     if units <= 12:  # all 2^units patterns, else `resamples` random ones
         return torch.tensor(list(itertools.product((1.0, -1.0), repeat=units)), dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, 2, (resamples, units), generator=generator).double() * 2 - 1
-
 
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
@@ -1026,7 +1031,6 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
     return out
 
 
-
 # --- Toy: Figure 3's mechanism on a linear softmax policy
 # logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every
 # context, as an LLM's output layer is; x_t is a fixed random recurrent feature of the history
@@ -1035,7 +1039,6 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
 # equal the prompt's target, there the second most likely token); the rest are "format" tokens,
 # alike in right and wrong responses. As ||x_t|| = 1, a token's gradient on W has norm ||e_j - pi||:
 # Prop. 4.2 with one layer. Design and prediction: toy/README.md.
-
 
 
 @dataclass(frozen=True)
@@ -1063,7 +1066,6 @@ class ToySettings:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
-
 
 
 TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
@@ -1112,11 +1114,9 @@ class ToyPolicy(torch.nn.Module):
         return {key: torch.stack(values, 1) for key, values in out.items()}
 
 
-
 def toy_logprobs(net: ToyPolicy, batch: dict) -> Tensor:
     logits = net(batch["x"], batch["bias_at"], batch["bias"])  # (B, T, V)
     return token_logprobs(logits, batch["tokens"])  # (B, T)
-
 
 
 def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
@@ -1133,7 +1133,6 @@ def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
     return batch
 
 
-
 def toy_config(s: ToySettings) -> Config:
     """2 optimiser steps a pass (as the paper's 512 responses in mini-batches of 256), no KL,
     temperature 1, no weight decay (the paper's analysis has none; Lopti would decay twice)."""
@@ -1142,7 +1141,6 @@ def toy_config(s: ToySettings) -> Config:
     return Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
                   weight_decay=0.0, beta=0.0, temperature=1.0, num_generations=s.group,
                   prompts_per_step=s.prompts, mini_batch_size=half, micro_batch_size=half)
-
 
 
 def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
@@ -1170,7 +1168,6 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
         out["counts"].append(counts)
         out["paired"].append({method: counts, **probes})
     return out
-
 
 
 def run_toy(s: ToySettings) -> dict:
@@ -1209,10 +1206,8 @@ def run_toy(s: ToySettings) -> dict:
             "reward": reward, "figure3": figure3}
 
 
-
 def fmt_list(xs: list, spec: str = ".3f") -> str:
     return " / ".join("-" if x is None else format(x, spec) for x in xs)
-
 
 
 def toy_checks(r: dict) -> list[str]:
@@ -1238,7 +1233,6 @@ def toy_checks(r: dict) -> list[str]:
         checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
                       f"{d['delta'][3]:+.3f}, p {d['p'][3]:.3f}; every bin {every_bin}")
     return checks
-
 
 
 # --- K&K puzzles: the benchmark's generator and solver, Logic-RL's files
@@ -1526,6 +1520,12 @@ def pick_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+
+
+def wait_for_device(device: torch.device) -> None:
+    """CUDA runs asynchronously: wait for its queued work, so that a timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def has_bf16(device: torch.device) -> bool:

@@ -25,8 +25,11 @@ def bf16_step(model_dir, tmp_path, monkeypatch, *, update=None, **overrides):
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     seen, real = [], lopti.batched_logprobs
-    monkeypatch.setattr(lopti, "batched_logprobs",
-                        lambda m, batch, *a: seen.append((batch, a)) or real(m, batch, *a))
+    def spy(model, batch, cfg, device, rows=None, fp32=False):
+        seen.append((batch, fp32))
+        return real(model, batch, cfg, device, rows, fp32)
+
+    monkeypatch.setattr(lopti, "batched_logprobs", spy)
     if update is not None:
         monkeypatch.setattr(lopti, "update_policy", update)
     torch.manual_seed(0)
@@ -59,7 +62,7 @@ def test_bf16_figure3_measures_before_and_after_in_fp32(tiny_model_dir, tmp_path
     """Under bf16, Figure 3 compares two fp32 passes (bf16's rounding, 0.4 %, exceeds what an lr 1e-6 update moves a
     token): with the update skipped, no token moved, though bf16's pi_old differs from fp32's."""
     cfg, m, model, seen = bf16_step(tiny_model_dir, tmp_path, monkeypatch, update=lambda *a: {})
-    assert [a[3:] for _, a in seen] == [(), (True,), (True,)]  # pi_old (bf16), then the fp32 before and after
+    assert [fp32 for _, fp32 in seen] == [False, True, True]  # pi_old (bf16), then the fp32 before and after
     assert sum(m["update/pos_tokens"]) + sum(m["update/neg_tokens"]) > 0
     assert all(sum(m[f"update/{k}"]) == 0 for k in ("pos_rose", "pos_fell", "neg_fell", "neg_rose")), m
 

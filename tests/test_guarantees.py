@@ -198,11 +198,11 @@ def test_a_signal_during_an_evaluation_starts_no_further_step(tiny_model_dir, tm
     """SIGTERM during step 1's evaluation (the second, after step 0's): step 1 is saved, step 2 never starts."""
     calls, evaluations, real_step, real_evaluate = [], [], lopti.train_step, lopti.evaluate
 
-    def evaluate_then_sigterm(*args):
+    def evaluate_then_sigterm(*args, **kwargs):
         evaluations.append(1)
         if len(evaluations) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_evaluate(*args)
+        return real_evaluate(*args, **kwargs)
 
     monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append(1) or real_step(*a, **k))
     monkeypatch.setattr(lopti, "evaluate", evaluate_then_sigterm)
@@ -217,9 +217,9 @@ def test_a_signal_during_the_step_0_evaluation_saves_the_warmed_up_model(tiny_mo
     starts from it without a second warm-up or a second step-0 evaluation."""
     real_evaluate, warmed, out = lopti.evaluate, [], tmp_path / "run"
 
-    def evaluate_then_sigterm(*args):
+    def evaluate_then_sigterm(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
-        return real_evaluate(*args)
+        return real_evaluate(*args, **kwargs)
 
     monkeypatch.setattr(lopti, "evaluate", evaluate_then_sigterm)
     monkeypatch.setattr(lopti, "warm_up", lambda *a: warmed.append(1))

@@ -345,7 +345,7 @@ def test_pi_old_and_the_update_compute_only_rows_with_an_advantage(tiny_model_di
     passes, forwards = [], {True: 0, False: 0}
     real_batched, real_completion = lopti.batched_logprobs, lopti.completion_logprobs
     monkeypatch.setattr(lopti, "batched_logprobs",
-                        lambda *a, **k: passes.append(a[4].tolist()) or real_batched(*a, **k))
+                        lambda *a, rows, **k: passes.append(rows.tolist()) or real_batched(*a, rows=rows, **k))
 
     def completion_spy(model, micro, temperature):
         forwards[torch.is_grad_enabled()] += len(micro["mask"])
@@ -541,9 +541,9 @@ def test_train_evaluates_step_0_after_the_warm_up_and_before_any_rl_step(tiny_mo
     monkeypatch.setattr(lopti, "warm_up", lambda *a: calls.append("warm_up"))
     monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append("step") or real_step(*a, **k))
 
-    def evaluate(model, tokenizer, rows, *args):
+    def evaluate(model, tokenizer, rows, *args, **kwargs):
         calls.append(("evaluate", tuple(rows["quiz"])))
-        return real_evaluate(model, tokenizer, rows, *args)
+        return real_evaluate(model, tokenizer, rows, *args, **kwargs)
 
     monkeypatch.setattr(lopti, "evaluate", evaluate)
     out = tmp_path / "run"
