@@ -7,16 +7,20 @@ et al., ICLR 2026, arXiv 2505.12929); official code: github.com/zhyang2226/AR-Lo
     python lopti.py train --preset cpu  # GRPO + AR + Lopti on Knights and Knaves, a Hugging Face LM
     python lopti.py eval | diagnose | plot  # accuracy; Figures 1 and 3 of a model; learning curves
 
-The paper in the code:
+The paper in the code, all above "A first read can stop here":
     GRPO's group advantage and loss        group_advantages, policy_loss
     Eq. 4, Advantage Reweighting           reweight_advantages
     Algorithm 1, Lopti                     lopti_masks, lopti_stages, update_policy
+    Figure 6, high-probability first       lopti_stages (lopti_order="high_first")
     Prop. 4.2, gradient norm ~ 1 - pi      logit_gradient_bounds (the toy checks it)
-    Figure 1, shares and gradient norms    measure_bins (diagnose, the toy)
-    Figure 3, A > 0 tokens that rose       update_counts, paired_counts (train, diagnose, the toy)
+    Figure 1 (a), (d): shares, grad norms  measure_bins (diagnose, the toy)
+    Figure 3, A > 0 tokens that rose       update_counts (train; diagnose and the toy pair methods)
+    K&K, Logic-RL's prompt and reward      kk_prompt, kk_reward
+    Algorithm 1's loop                     rollout_and_score, update_and_measure, train
 
-A first read follows the paper and ends at "A first read can stop here"; the harness follows.
-Sections: grep -n '^# ===' lopti.py.
+Below the banner, the harness: an LM's log-probs in chunks, prefix sharing, Figure 3 paired
+(paired_counts), the toy, puzzles, warm-up, checkpoints, evaluation, diagnose, TRL, the command
+line. Sections: grep -n '^# ===' lopti.py.
 """
 from __future__ import annotations
 
@@ -151,8 +155,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count, for each of its
     micro-batches (exact accumulation) and both Lopti stages (not renormalised: they add up to
     GRPO). The dual clip, `kl_mask` per stage, the token-mean (the paper averages each response
-    first) and the shared denominator follow the official code, not the paper's text. (Under FSDP
-    the official token-mean is also averaged across ranks; this is one process.)"""
+    first) and the shared denominator follow the official code, not the paper's text."""
     assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
     adv = broadcast_to_tokens(advantages, logprobs)  # (B, T)
     mask = mask.bool()  # (B, T)
@@ -480,13 +483,13 @@ KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of complet
 KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
 THINK_PREFIX = "<think>"  # pre-fills the assistant turn; the reward reads it as part of the text
 KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>" included
-    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind "
-    "and then provides the user with the answer. The reasoning process and answer are enclosed "
-    "within <think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning "
-    "process here </think><answer> answer here </answer>.  Now the user asks you to solve a logical "
-    "reasoning problem. After thinking, when you finally reach a conclusion, clearly state the "
-    "identity of each character within <answer> </answer> tags. i.e., <answer> (1) Zoey is a "
-    "knight\n(2) ... </answer>.\n")
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the "
+    "mind and then provides the user with the answer. The reasoning process and answer are "
+    "enclosed within <think> </think> and<answer> </answer> tags, respectively, i.e., <think> "
+    "reasoning process here </think><answer> answer here </answer>.  Now the user asks you to "
+    "solve a logical reasoning problem. After thinking, when you finally reach a conclusion, "
+    "clearly state the identity of each character within <answer> </answer> tags. i.e., "
+    "<answer> (1) Zoey is a knight\n(2) ... </answer>.\n")
 
 
 def kk_prompt(tokenizer, quiz: str) -> str:
@@ -820,10 +823,11 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     shared = len(torch.unique(input_ids[:, :-C], dim=0)) < len(input_ids) and C > 1
     checkpointing = model.is_activation_checkpointing and model.training  # (HF drops a cache then)
     if shared and not checkpointing:
-        cache, first = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])  # o_1's
+        # The whole prompt once: its last hidden state predicts o_1; then o_1..o_{C-1}, cached
+        cache, prompt_end = prefix_cache(model, input_ids[:, :-C], attention_mask[:, :-C])
         rest = model.base_model(input_ids=targets[:, :-1], attention_mask=attention_mask[:, :-1],
                                 position_ids=position_ids[:, -C:-1], cache=cache).last_hidden_state
-        hidden = torch.cat([first, rest], 1)  # (B, C, H): position t predicts o_{t+1}
+        hidden = torch.cat([prompt_end, rest], 1)  # (B, C, H): position t predicts o_{t+1}
     else:
         out = model.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                                position_ids=position_ids[:, :-1], use_cache=False)
@@ -883,7 +887,7 @@ def generate_completions(model, tokenizer, encoded: dict, gen_cfg, batch_size: i
             ids = encoded["input_ids"][i:i + chunk]  # (b, P)
             attention = encoded["attention_mask"][i:i + chunk]  # (b, P)
             shared = len(torch.unique(ids, dim=0)) < len(ids)
-            with autocast(device):
+            with autocast(device):  # the prompt but its last token: generate() runs at least one
                 cache = prefix_cache(model, ids[:, :-1], attention[:, :-1])[0] if shared else None
                 out = model.generate(input_ids=ids, attention_mask=attention, cache=cache,
                                      generation_config=gen_cfg, tokenizer=tokenizer)
@@ -1001,10 +1005,14 @@ def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: di
 
 
 def sign_patterns(units: int, resamples: int) -> Tensor:
-    if units <= 12:  # all 2^units patterns, else `resamples` random ones
+    """(S, units) signs, a pattern per row: all 2^units up to 12 units (an exact test); past 12, the
+    observed one (all +1, so that p is never 0) and `resamples` random ones."""
+    if units <= 12:
         return torch.tensor(list(itertools.product((1.0, -1.0), repeat=units)), dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, 2, (resamples, units), generator=generator).double() * 2 - 1
+    random = torch.randint(0, 2, (resamples, units), generator=generator).double() * 2 - 1
+    observed = torch.ones(1, units, dtype=torch.float64)
+    return torch.cat([observed, random])
 
 
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
@@ -1021,24 +1029,17 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
     for method in [m for m in units[0] if m != reference]:
         d = counts(method, "pos_rose") - reference_rose  # (U, 4): rose, minus the reference's
         as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
-        if len(units) <= 12:
-            p = as_extreme / len(signs)
-        else:
-            p = (as_extreme + 1) / (len(signs) + 1)  # random patterns: never 0
+        p = as_extreme / len(signs)
         delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         resolved = [x is not None and q < 0.05 for x, q in zip(delta, p.tolist())]
         out[method] = {"delta": delta, "p": p.tolist(), "resolved": resolved}
     return out
 
 
-# --- Toy: Figure 3's mechanism on a linear softmax policy
-# logits_t = W x_t + b_t over V = 1,024 tokens. W, the only trained weight, is shared by every
-# context, as an LLM's output layer is; x_t is a fixed random recurrent feature of the history
-# (prefixes rarely repeat); b_t a fixed bias s in [4, 11] on a bigram token, which makes sampled
-# tokens' probabilities U-shaped. The first `decisions` tokens decide an outcome reward (1 iff all
-# equal the prompt's target, there the second most likely token); the rest are "format" tokens,
-# alike in right and wrong responses. As ||x_t|| = 1, a token's gradient on W has norm ||e_j - pi||:
-# Prop. 4.2 with one layer. Design and prediction: toy/README.md.
+# --- The toy: Figure 3's mechanism on a linear softmax policy (design: toy/README.md)
+# logits_t = weight @ x_t + bias_t over 1,024 tokens. The weight, the only one trained, is shared by
+# every context, as an LLM's output layer is; as ||x_t|| = 1, a token's gradient on it has norm
+# ||e_j - pi||: Prop. 4.2 with one layer. The first `decisions` tokens decide the reward.
 
 
 @dataclass(frozen=True)
@@ -1074,38 +1075,43 @@ TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  #
 
 
 class ToyPolicy(torch.nn.Module):
-    """Only W is trained; a rollout's contexts and biases are fixed (sample): a pass is a matmul."""
+    """Only `weight` is trained; a rollout's contexts and biases are fixed (sample): a pass is a
+    matmul."""
 
-    def __init__(self, s: ToySettings, seed: int):
+    def __init__(self, settings: ToySettings, seed: int):
         super().__init__()
+        vocab, dim = settings.vocab, settings.dim
         g = torch.Generator().manual_seed(seed)
-        self.W = torch.nn.Parameter(torch.randn(s.vocab, s.dim, generator=g))
-        self.A = torch.linalg.qr(torch.randn(s.dim, s.dim, generator=g))[0] * 0.5  # the recurrence
-        self.F = torch.randn(s.vocab, s.dim, generator=g)  # fixed features of tokens (and prompts)
-        self.bigram = torch.randint(s.vocab, (s.vocab,), generator=g)  # each token's likely next
-        self.strength = 4 + 7 * torch.rand(s.vocab, generator=g)  # and the bias it gets
-        self.target = torch.randint(s.vocab, (s.prompts, s.decisions), generator=g)  # the answers
-        self.s = s
+        self.weight = torch.nn.Parameter(torch.randn(vocab, dim, generator=g))
+        self.recurrence = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0] * 0.5
+        self.features = torch.randn(vocab, dim, generator=g)  # of tokens (and prompts)
+        self.bigram = torch.randint(vocab, (vocab,), generator=g)  # each token's likely next
+        self.strength = 4 + 7 * torch.rand(vocab, generator=g)  # and the bias it gets
+        self.target = torch.randint(vocab, (settings.prompts, settings.decisions), generator=g)
+        self.settings = settings
 
     def forward(self, x: Tensor, bias_at: Tensor, bias: Tensor) -> Tensor:
         """Logits (B, T, V) from contexts x (B, T, d), plus the biases `bias` at ids `bias_at`."""
-        return (x @ self.W.T).scatter_add(-1, bias_at, bias)
+        return (x @ self.weight.T).scatter_add(-1, bias_at, bias)
 
     @torch.no_grad()
     def sample(self, prompts: Tensor, gen: torch.Generator) -> dict[str, Tensor]:
-        """Responses (B, T) to `prompts` (B,), with their contexts and biases."""
-        x = torch.zeros(len(prompts), self.s.dim)  # (B, d)
+        """Responses (B, T) to `prompts` (B,), with their contexts and biases: each token's bigram
+        successor gets its strength; a decision's target (the answer) that less target_gap."""
+        s = self.settings
+        x = torch.zeros(len(prompts), s.dim)  # (B, d)
         prev = prompts  # (B,)
         out = collections.defaultdict(list)
-        for t in range(self.s.length):
-            x = torch.tanh(self.F[prev] + x @ self.A.T)
+        for t in range(s.length):
+            x = torch.tanh(self.features[prev] + x @ self.recurrence.T)
             x = x / x.norm(dim=-1, keepdim=True)  # (B, d)
-            target = self.target[prompts, min(t, self.s.decisions - 1)]  # (B,)
+            target = self.target[prompts, min(t, s.decisions - 1)]  # (B,)
             bias_at = torch.stack([self.bigram[prev], target], 1)  # (B, 2)
-            gap = self.s.target_gap if t < self.s.decisions else math.inf  # no target past them
-            target_bias = (self.strength[prev] - gap).clamp(min=0)  # (B,)
+            target_bias = (self.strength[prev] - s.target_gap).clamp(min=0)  # (B,)
+            if t >= s.decisions:
+                target_bias = torch.zeros_like(target_bias)  # no target past the decisions
             bias = torch.stack([self.strength[prev], target_bias], 1)  # (B, 2)
-            uniform = torch.rand(len(prompts), self.s.vocab, generator=gen)  # (B, V)
+            uniform = torch.rand(len(prompts), s.vocab, generator=gen)  # (B, V)
             gumbel = -(-uniform.log()).log()  # argmax(logits + gumbel) samples softmax(logits)
             logits = self(x, bias_at, bias)  # (B, V)
             prev = (logits + gumbel).argmax(-1)  # (B,)
@@ -1121,13 +1127,13 @@ def toy_logprobs(net: ToyPolicy, batch: dict) -> Tensor:
 
 def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
     """Algorithm 1, lines 3-5: G samples per prompt, outcome rewards, group advantages, pi_old."""
-    prompts = torch.arange(net.s.prompts).repeat_interleave(net.s.group)  # (B,)
+    prompts = torch.arange(net.settings.prompts).repeat_interleave(net.settings.group)  # (B,)
     batch = net.sample(prompts, gen)
-    decided = batch["tokens"][:, :net.s.decisions]  # (B, decisions)
+    decided = batch["tokens"][:, :net.settings.decisions]  # (B, decisions)
     rewards = (decided == net.target[prompts]).all(1).float()  # (B,)
     batch["mask"] = torch.ones_like(batch["tokens"], dtype=torch.bool)
     batch["rewards"] = rewards
-    batch["advantages"] = group_advantages(rewards, net.s.group)
+    batch["advantages"] = group_advantages(rewards, net.settings.group)
     with torch.no_grad():
         batch["old_logprobs"] = toy_logprobs(net, batch)
     return batch
@@ -1199,7 +1205,9 @@ def run_toy(s: ToySettings) -> dict:
         probs = net(batch["x"], batch["bias_at"], batch["bias"]).double().softmax(-1)  # (B, T, V)
     lower, norm, upper = logit_gradient_bounds(probs, batch["tokens"])  # (B, T) each
     within = (lower <= norm) & (norm <= upper)  # (B, T)
-    norm_over_rest = norm / (upper / math.sqrt(2))  # (B, T): ||e_j - pi|| / (1 - pi_j)
+    chosen = torch.nn.functional.one_hot(batch["tokens"], s.vocab).double()  # (B, T, V)
+    rest = (probs * (1 - chosen)).sum(-1)  # (B, T): 1 - pi_j
+    norm_over_rest = norm / rest  # (B, T)
     prop_4_2 = {"tokens": norm.numel(), "within": int(within.sum()),
                 "norm_over_rest": [float(norm_over_rest.min()), float(norm_over_rest.max())]}
     return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "prop_4_2": prop_4_2,

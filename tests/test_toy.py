@@ -28,7 +28,7 @@ def updates(traj):
 def test_only_w_is_trained():
     """W is the only parameter: contexts, token features, biases and targets stay fixed."""
     net = ToyPolicy(S, 0)
-    assert [name for name, _ in net.named_parameters()] == ["W"]
+    assert [name for name, _ in net.named_parameters()] == ["weight"]
 
 
 def test_reward_is_one_iff_the_decision_tokens_equal_the_target():
@@ -66,7 +66,7 @@ def test_old_logprobs_are_the_policys_logprobs():
     assert not batch["old_logprobs"].requires_grad
     assert torch.equal(toy_logprobs(net, batch), batch["old_logprobs"])
     bias = (torch.nn.functional.one_hot(batch["bias_at"], S.vocab).double() * batch["bias"][..., None].double()).sum(-2)
-    logits = batch["x"].double() @ net.W.detach().double().T + bias  # (B, T, V)
+    logits = batch["x"].double() @ net.weight.detach().double().T + bias  # (B, T, V)
     reference = logits.log_softmax(-1).gather(-1, batch["tokens"][..., None]).squeeze(-1)
     assert torch.allclose(batch["old_logprobs"].double(), reference, atol=1e-5)
 
@@ -89,7 +89,7 @@ def test_target_is_second_to_the_bigram_token_at_decisions_and_unbiased_at_forma
     with W = 0, it is the second most likely token); at a format position it gets none."""
     net = ToyPolicy(S, 0)
     with torch.no_grad():
-        net.W.zero_()  # the logits are then the biases alone
+        net.weight.zero_()  # the logits are then the biases alone
     batch = toy_rollout(net, torch.Generator().manual_seed(0))
     d, prompts = S.decisions, torch.arange(S.prompts).repeat_interleave(S.group)
     target, bigram = net.target[prompts], batch["bias_at"][:, :, 0]  # (B, d), (B, T)
