@@ -279,6 +279,8 @@ class Config:
     """The run's folder: config.json, metrics.jsonl, samples.jsonl, checkpoint-STEP/."""
     seed: int = 0
     """Seeds data order, sampling and generated puzzles."""
+    report_to: str = "none"
+    """'none', or 'tensorboard': metrics.jsonl's records and the config also go to out/tensorboard."""
 
     def __post_init__(self):
         check_config(self)  # the ranges, in the harness: a wrong value is one line
@@ -689,10 +691,11 @@ def train(cfg: Config, resume: bool = False) -> Path:
     restore_trainer_state(state, optimizer, cfg)
     start = state["step"]
     start_run_files(out, cfg, start)
+    log = MetricsLog(out, cfg)  # metrics.jsonl, and --report_to's logger
 
     def evaluate_and_log(step: int) -> None:
         accuracy = evaluate(model, tokenizer, eval_rows, cfg=cfg, device=device)
-        log_evaluation(out, step, accuracy)
+        log_evaluation(log, step, accuracy)
 
     with StopOnSignal() as stop, tqdm(initial=start, total=cfg.steps, desc="train") as progress:
         if evaluation_due(cfg, start) and not evaluated(out, start):
@@ -706,8 +709,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
             check_finite(model, step)
             samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
             append_jsonl(out / "samples.jsonl", samples)
-            metrics = {"step": step, "learning_rate": cfg.learning_rate, **metrics}
-            append_jsonl(out / "metrics.jsonl", metrics)
+            log.write({"step": step, "learning_rate": cfg.learning_rate, **metrics})
             if checkpoint_due(cfg, step) or stop.signum:
                 save_checkpoint(out, model, tokenizer, optimizer=optimizer, step=step)
             if evaluation_due(cfg, step) and not stop.signum:
@@ -749,6 +751,12 @@ def check_config(cfg: Config) -> None:
     _require(cfg, "lopti_order", cfg.lopti_order in ("low_first", "high_first"),
              "low_first or high_first")
     _require(cfg, "optimizer", cfg.optimizer in ("adamw", "sgd"), "adamw or sgd")
+    _require(cfg, "report_to", cfg.report_to in ("none", "tensorboard"), "none or tensorboard")
+    if cfg.report_to == "tensorboard":
+        try:  # optional
+            import tensorboard  # (only its presence is checked)
+        except ImportError:
+            raise ValueError("--report_to tensorboard needs: pip install tensorboard") from None
     rollout_size = cfg.prompts_per_step * cfg.num_generations
     mini = cfg.mini_batch_size
     divides = mini > 0 and rollout_size % mini == 0 and mini % cfg.micro_batch_size == 0
@@ -1500,14 +1508,17 @@ def warmup_puzzles(cfg: Config) -> datasets.Dataset:
 
 def load_task_data(cfg: Config):
     """Training and evaluation rows, none in both; evaluation's `twin` column (kk_twins of the
-    training and warm-up puzzles)."""
+    training and warm-up puzzles). Generated evaluation puzzles have no twin where enough exist."""
     lo, hi = people_range(cfg.num_people)
     if cfg.train_data == "generate":
         train = kk_generate(cfg.num_train, (lo, hi), cfg.seed)
     else:
         train = kk_load(cfg.train_data)
+    seen = {"statements": list(train["statements"])}
+    if cfg.warmup_steps:
+        seen["statements"] += list(warmup_puzzles(cfg)["statements"])
     if cfg.eval_data == "generate":
-        sizes = [kk_generate(cfg.eval_size, n, cfg.seed + 1_000_003 + n) for n in range(lo, hi + 1)]
+        sizes = [evaluation_puzzles(cfg, n, seen) for n in range(lo, hi + 1)]
         evals = datasets.concatenate_datasets(sizes)
     else:
         evals = kk_load(cfg.eval_data)
@@ -1515,10 +1526,21 @@ def load_task_data(cfg: Config):
     evals = evals.filter(lambda row: row["quiz"] not in training_quizzes)
     if len(evals) == 0:
         raise ValueError("every evaluation puzzle is also a training puzzle: use other --eval_data")
-    seen = list(train["statements"])
-    if cfg.warmup_steps:
-        seen += list(warmup_puzzles(cfg)["statements"])
-    return train, evals.add_column("twin", kk_twins(evals, {"statements": seen}))
+    return train, evals.add_column("twin", kk_twins(evals, seen))
+
+
+def evaluation_puzzles(cfg: Config, people: int, seen: dict) -> datasets.Dataset:
+    """cfg.eval_size puzzles of `people`, from a seed disjoint from training's: those without a
+    logical twin in `seen` first, of 4x as many where they exist (2 people: 399 puzzles, 95 classes,
+    so a 2-person evaluation has twins once training covers the classes)."""
+    seed = cfg.seed + 1_000_003 + people
+    try:
+        pool = kk_generate(4 * cfg.eval_size, people, seed)
+    except ValueError:  # fewer puzzles of this size exist
+        pool = kk_generate(cfg.eval_size, people, seed)
+    twins = kk_twins(pool, seen)
+    twin_free_first = sorted(range(len(pool)), key=twins.__getitem__)  # (a stable sort)
+    return pool.select(twin_free_first[:cfg.eval_size])
 
 
 # --- Devices, models and the warm-up
@@ -1635,7 +1657,7 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
 # folder, the learning rate (after a divergence). Not the evaluation's puzzles: the gain is paired.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
                      "generation_batch_size", "gradient_checkpointing", "measure_update", "learning_rate",
-                     "output_dir")
+                     "output_dir", "report_to")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -1652,6 +1674,33 @@ def read_jsonl(path: Path) -> list[dict]:
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class MetricsLog:
+    """A run's metrics.jsonl, a line per record; under --report_to tensorboard each record's numbers
+    also go to TensorBoard (out/tensorboard; a list per pi_old bin as KEY/0..3), with the config."""
+
+    def __init__(self, out: Path, cfg: Config):
+        self.path = out / "metrics.jsonl"
+        self.writer = None
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+            self.writer.add_text("config", json.dumps(asdict(cfg), indent=2))
+
+    def write(self, record: dict) -> None:
+        append_jsonl(self.path, record)
+        if self.writer is None:
+            return
+        for key, value in record.items():
+            values = value if isinstance(value, list) else [value]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if key == "step" or len(numbers) != len(values):
+                continue  # text (eval/correct, samples) and bins without a value
+            for i, number in enumerate(numbers):
+                tag = f"{key}/{i}" if isinstance(value, list) else key
+                self.writer.add_scalar(tag, number, global_step=record["step"])
+        self.writer.flush()
 
 
 def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
@@ -1803,11 +1852,11 @@ def paired_gain(before: str, after: str) -> dict:
             "eval/gain_p": sign_test_p(gained, lost)}
 
 
-def log_evaluation(out: Path, step: int, record: dict) -> None:
-    step_0 = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] == 0 and "eval/correct" in r]
+def log_evaluation(log: MetricsLog, step: int, record: dict) -> None:
+    step_0 = [r for r in read_jsonl(log.path) if r["step"] == 0 and "eval/correct" in r]
     if step > 0 and step_0:
         record.update(paired_gain(step_0[0]["eval/correct"], record["eval/correct"]))
-    append_jsonl(out / "metrics.jsonl", {"step": step, **record})
+    log.write({"step": step, **record})
 
 
 # --- diagnose: Figure 1, and Figure 3 paired along a trajectory
@@ -2020,8 +2069,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(ToySettings):
         toy.add_argument(f"--{f.name}", type=type(f.default), help=f"default {f.default}")
     toy.add_argument("--quick", action="store_true", help=f"a smoke test: {TOY_QUICK}")
-    toy.add_argument("--out", type=Path, help="folder for results.json (default toy/, or runs/toy/ when a "
-                     "setting is given)")
+    toy.add_argument("--out", type=Path, help="folder for results.json (default runs/toy/; --out toy "
+                     "rewrites the committed toy/results.json)")
     docs = _field_docs()
     kinds = {"float": float, "int": int, "str": str, "bool": _parse_bool}
     commands = (("train", "GRPO (+AR, +Lopti) on Knights and Knaves"), ("eval", "greedy K&K accuracy"),
@@ -2059,7 +2108,7 @@ def resolve_config(args: dict) -> Config:
 def toy_main(args: argparse.Namespace) -> dict:
     given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if getattr(args, f.name, None) is not None}
     settings = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
-    out = args.out or Path("runs/toy" if given or args.quick else "toy")
+    out = args.out or Path("runs/toy")
     threads = torch.get_num_threads()
     t0 = time.time()
     torch.set_num_threads(1)  # faster for small matrices; the same float sums on every machine

@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,41 @@ def test_readme_python_block_runs_as_written(i, tiny_model_dir, tmp_path, monkey
         monkeypatch.setattr(trl, "GRPOConfig", lambda *a, **k: real_config(*a, **{**k, **small}))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     exec(compile(block, f"README.md python block {i}", "exec"), {"__name__": "readme"})
+
+
+# --- --report_to: every metrics.jsonl record also goes to TensorBoard
+
+
+def test_report_to_tensorboard_logs_every_record_of_metrics_jsonl_and_the_config(tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(lopti, "kk_rewards", varied_rewards)
+    assert lopti.main(["train", "--model", str(tiny_model_dir), "--output_dir", str(out), *TINY_FLAGS,
+                       "--steps", "2", "--report_to", "tensorboard"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    records = lopti.read_jsonl(out / "metrics.jsonl")
+    expected = [("reward", r["step"], r["reward"]) for r in records if "reward" in r]
+    expected += [("eval/accuracy", r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    expected += [("update/pos_tokens/3", r["step"], r["update/pos_tokens"][3]) for r in records if "reward" in r]
+    assert len(expected) == 2 + 2 + 2  # two steps, evaluations at steps 0 and 2
+    for tag, step, value in expected:
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert (step, pytest.approx(value)) in logged, (tag, step, value, logged)
+    assert "eval/correct" not in events.Tags()["scalars"]  # text is not a scalar
+    config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert str(tiny_model_dir) in config_text and '"report_to": "tensorboard"' in config_text
+
+
+def test_report_to_tensorboard_without_the_package_is_one_line_and_writes_nothing(tmp_path, monkeypatch,
+                                                                                  capsys):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now fails
+    out = tmp_path / "run"
+    assert exit_code(["train", "--output_dir", out, "--report_to", "tensorboard"]) == 2
+    one_line(capsys, "pip install tensorboard")
+    assert exit_code(["train", "--output_dir", out, "--report_to", "wandb"]) == 2
+    one_line(capsys, "report_to must be none or tensorboard")
+    assert not out.exists()

@@ -619,14 +619,31 @@ def test_kk_twins_agrees_with_a_brute_force_canonical_form_on_generated_puzzles(
 
 
 def test_load_task_data_marks_evaluation_puzzles_with_a_twin_in_training_or_the_warm_up():
-    """2-person puzzles: almost every evaluation puzzle has a twin among 100 training and 80 warm-up puzzles; the
-    column agrees with kk_twins against those puzzles, and without the warm-up fewer are twins."""
-    cfg = Config(num_people="2", num_train=100, eval_size=64, warmup_steps=20, prompts_per_step=4, mini_batch_size=32)
+    """2-person puzzles as the cpu preset draws them (256 training, 240 warm-up): the 95 classes are almost all
+    covered, so the evaluation holds every twin-free puzzle of its pool (4 x 64 puzzles of its seed), first, then
+    twins. The column agrees with kk_twins against the training and warm-up puzzles."""
+    cfg = Config(num_people="2", num_train=256, eval_size=64, warmup_steps=60, prompts_per_step=4, mini_batch_size=32)
     train, evals = load_task_data(cfg)
     seen = {"statements": list(train["statements"]) + list(lopti.warmup_puzzles(cfg)["statements"])}
-    assert evals["twin"] == kk_twins(evals, seen) and sum(evals["twin"]) > 48
-    cold = load_task_data(dataclasses.replace(cfg, warmup_steps=0))[1]
-    assert sum(cold["twin"]) <= sum(evals["twin"]) and cold["twin"] == kk_twins(cold, {"statements": train["statements"]})
+    assert evals["twin"] == kk_twins(evals, seen)
+    pool = kk_generate(4 * 64, 2, seed=cfg.seed + 1_000_003 + 2)
+    twin_free = [quiz for quiz, twin in zip(pool["quiz"], kk_twins(pool, seen)) if not twin]
+    assert 0 < len(twin_free) < 8 and evals["quiz"][:len(twin_free)] == twin_free and all(evals["twin"][len(twin_free):])
+    assert len(evals) == 64 and set(evals["quiz"]) <= set(pool["quiz"])
+
+
+def test_generated_evaluation_puzzles_have_no_twin_where_enough_exist():
+    """3-person puzzles: the first 32 of the evaluation's seed (the draw before twins were avoided) include a twin of
+    the 1,000 training puzzles; the drawn evaluation has none, and holds 32 puzzles of that seed, none a training
+    puzzle."""
+    cfg = Config(num_people="3", num_train=1000, eval_size=32)
+    train, evals = load_task_data(cfg)
+    seen = {"statements": train["statements"]}
+    first_32 = kk_generate(32, 3, seed=cfg.seed + 1_000_003 + 3)
+    assert sum(kk_twins(first_32, seen)) > 0
+    assert len(evals) == 32 and not any(evals["twin"]) and not any(kk_twins(evals, seen))
+    pool = set(kk_generate(4 * 32, 3, seed=cfg.seed + 1_000_003 + 3)["quiz"])
+    assert set(evals["quiz"]) <= pool and not set(evals["quiz"]) & set(train["quiz"])
 
 
 def test_sign_test_p_golden_values_and_an_enumeration_of_sign_flips():

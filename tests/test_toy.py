@@ -197,16 +197,17 @@ def test_cli_quick_writes_results(tmp_path, capsys, small_run):
     assert saved["checks"] and all(line in printed for line in saved["checks"])
 
 
-def test_only_the_default_run_writes_the_toy_folder(monkeypatch, tmp_path):
-    """Only the run with no setting given goes to toy/ (the committed toy/results.json); any setting, even at its
-    default value, or --quick, goes to runs/toy/ unless --out says otherwise."""
+def test_the_toy_writes_runs_toy_unless_out_says_otherwise(monkeypatch, tmp_path):
+    """Every run goes to runs/toy/, the default one too: only an explicit --out toy rewrites the committed
+    toy/results.json."""
     monkeypatch.chdir(tmp_path)
     seen = []
     fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}},
             "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]}}
     monkeypatch.setattr(lopti, "run_toy", lambda s: seen.append(s) or json.loads(json.dumps(fake)))
     for argv, folder, settings in ((["--quick"], "runs/toy", ToySettings(**lopti.TOY_QUICK)),
-                                   (["--seed", "3"], "runs/toy", ToySettings(seed=3)), ([], "toy", ToySettings()),
+                                   (["--seed", "3"], "runs/toy", ToySettings(seed=3)), ([], "runs/toy", ToySettings()),
+                                   (["--out", "toy"], "toy", ToySettings()),
                                    (["--quick", "--out", "mine"], "mine", ToySettings(**lopti.TOY_QUICK)),
                                    (["--steps", str(ToySettings.steps)], "runs/toy", ToySettings())):
         for stale in ("toy", "runs", "mine"):
