@@ -280,7 +280,8 @@ class Config:
     seed: int = 0
     """Seeds data order, sampling and generated puzzles."""
     report_to: str = "none"
-    """'none', or 'tensorboard': metrics.jsonl's records and the config also go to out/tensorboard."""
+    """'none', or 'tensorboard': metrics.jsonl's records and the config go to output_dir/tensorboard
+    too."""
 
     def __post_init__(self):
         check_config(self)  # the ranges, in the harness: a wrong value is one line
@@ -725,14 +726,12 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 # ====== A first read can stop here ======
-# The harness: Config's ranges, an LM's log-probs, the rollout's speed, Figure 3 paired, the toy,
-# puzzles, warm-up, models, checkpoints, resume, evaluation, diagnose, plot, TRL, CLI.
+# The harness (the module docstring lists it).
 
 # --- Config's ranges
 
 
 def check_config(cfg: Config) -> None:
-    """Config's ranges, checked before anything loads; main prints the error's one line."""
     for f in fields(cfg):
         if isinstance(getattr(cfg, f.name), float):
             _require(cfg, f.name, math.isfinite(getattr(cfg, f.name)), "a finite number")
@@ -753,7 +752,7 @@ def check_config(cfg: Config) -> None:
     _require(cfg, "optimizer", cfg.optimizer in ("adamw", "sgd"), "adamw or sgd")
     _require(cfg, "report_to", cfg.report_to in ("none", "tensorboard"), "none or tensorboard")
     if cfg.report_to == "tensorboard":
-        try:  # optional
+        try:
             import tensorboard  # (only its presence is checked)
         except ImportError:
             raise ValueError("--report_to tensorboard needs: pip install tensorboard") from None
@@ -777,19 +776,18 @@ def people_range(spec: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-# --- An LM's log-probs: the output layer in chunks, and a group's shared prompt run once
+# --- An LM's log-probs
 
 
 def _head_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float):
-    """token_logprobs of one chunk of hidden states (n, H), through the output layer."""
+    """token_logprobs of a chunk (n, H) of hidden states."""
     return token_logprobs(head(hidden), tokens, temperature)  # (n,)
 
 
 def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
                     chunk_elems: int = 2**24) -> Tensor:
-    """token_logprobs of head(hidden), for an LM's final hidden states (B, T, H) and output layer,
-    in chunks of ~chunk_elems logits: the (B, T, V) logits never exist whole. Under autograd the
-    backward pass recomputes a chunk's logits instead of storing them."""
+    """token_logprobs of head(hidden), hidden (B, T, H), in chunks of ~chunk_elems logits: the
+    (B, T, V) logits never exist whole; under autograd the backward pass recomputes them."""
     rows = max(1, chunk_elems // head.out_features)  # rows of ~chunk_elems logits
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
     flat_tokens = tokens.reshape(-1)  # (B*T,)
@@ -806,9 +804,8 @@ def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, tempe
 
 
 def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
-    """A group's G rows share a prompt: its forward (and backward) runs once per distinct prompt,
-    the KV cache indexed back to every row, differentiably. Returns it and the last hidden state
-    (B, 1, H)."""
+    """A group's shared prompt run once, forward and backward: the KV cache of each distinct prompt
+    indexed back to every row (differentiably), and the last hidden state (B, 1, H)."""
     L = input_ids.shape[1]
     both = torch.cat([input_ids, attention_mask], 1)  # (B, 2L)
     distinct, inverse = torch.unique(both, dim=0, return_inverse=True)  # (U, 2L), (B,)
@@ -877,12 +874,12 @@ def split_rows(rows: Tensor, size: int) -> list[Tensor]:
     return list(rows.split(size))
 
 
-# --- The rollout's speed: generation in batches, a group's prompt run once, stop at </answer>
+# --- The rollout's speed
 
 
 def generate_completions(model, tokenizer, encoded: dict, gen_cfg, batch_size: int) -> Tensor:
     """model.generate() in batches of `batch_size` rows (0: one batch), a group's shared prompt run
-    once (prefix_cache), not G times: the completions (B, C), right-padded."""
+    once (prefix_cache): the completions (B, C), right-padded."""
     # generate() fills fields left at their defaults from the model's generation config (Qwen's:
     # top_p 0.8, top_k 20, repetition_penalty 1.05), so ours replaces it while generating
     saved_gen_cfg = model.generation_config
@@ -923,7 +920,7 @@ def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Ten
     return mask, stopped
 
 
-# --- Figure 3 paired: every method's update from one state and batch, then undone
+# --- Figure 3 paired
 
 UPDATE_KEYS = ("pos_tokens", "pos_rose", "pos_fell", "neg_tokens", "neg_fell", "neg_rose")
 METHODS = {
@@ -937,8 +934,7 @@ METHODS = {
 
 
 def method_config(cfg: Config, method: str) -> Config:
-    """`cfg` switched to one of METHODS. AR keeps cfg's alpha, or takes the paper's 0.3 if cfg is
-    GRPO's (alpha 0)."""
+    """`cfg` switched to one of METHODS."""
     changes = {"lopti_order": "low_first", **METHODS[method]}
     if method in ("ar", "ar_lopti"):
         changes["alpha"] = cfg.alpha if cfg.alpha > 0 else Config.alpha
@@ -1053,7 +1049,7 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
 @dataclass(frozen=True)
 class ToySettings:
     seed: int = 0  # run i of `seeds` has its own random task and samples: seed + i
-    seeds: int = 8  # trajectories per method (a sign-flip test reaches p < 0.05 over 8, not over 5)
+    seeds: int = 8  # trajectories per method (p < 0.05 needs 6+: paired_deltas)
     steps: int = 10  # RL steps per trajectory
     optimizer: str = "adamw"  # or "sgd"
     learning_rate: float = 1e-2
@@ -1077,7 +1073,7 @@ class ToySettings:
                 raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
 
 
-TOY_QUICK = dict(seeds=2, steps=5)  # toy --quick: a smoke test
+TOY_QUICK = dict(seeds=2, steps=5)
 TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
 TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # along GRPO's
 
@@ -1148,8 +1144,8 @@ def toy_rollout(net: ToyPolicy, gen: torch.Generator) -> dict[str, Tensor]:
 
 
 def toy_config(s: ToySettings) -> Config:
-    """2 optimiser steps a pass (as the paper's 512 responses in mini-batches of 256), no KL,
-    temperature 1, no weight decay (the paper's analysis has none; Lopti would decay twice)."""
+    """2 optimiser steps a pass, as the paper's; no weight decay (the paper's analysis has none;
+    Lopti would decay twice)."""
     rollout_size = s.prompts * s.group
     half = rollout_size // 2 if rollout_size % 2 == 0 else rollout_size
     return Config(alpha=s.alpha, eta=s.eta, learning_rate=s.learning_rate, optimizer=s.optimizer,
@@ -1158,8 +1154,8 @@ def toy_config(s: ToySettings) -> Config:
 
 
 def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -> dict:
-    """`method` trained on seed `seed`'s task: per step the reward, the update's Figure 3 counts,
-    and the `paired` methods' paired_counts (with the own update's under `method`)."""
+    """`method` trained on seed `seed`'s task: per step the reward, Figure 3 counts, and
+    paired_counts of `paired` (plus `method`'s own)."""
     net = ToyPolicy(s, seed)
     sampler = torch.Generator().manual_seed(seed)
     base = toy_config(s)
@@ -1508,7 +1504,7 @@ def warmup_puzzles(cfg: Config) -> datasets.Dataset:
 
 def load_task_data(cfg: Config):
     """Training and evaluation rows, none in both; evaluation's `twin` column (kk_twins of the
-    training and warm-up puzzles). Generated evaluation puzzles have no twin where enough exist."""
+    training and warm-up puzzles)."""
     lo, hi = people_range(cfg.num_people)
     if cfg.train_data == "generate":
         train = kk_generate(cfg.num_train, (lo, hi), cfg.seed)
@@ -1553,7 +1549,6 @@ def pick_device() -> torch.device:
 
 
 def wait_for_device(device: torch.device) -> None:
-    """CUDA runs asynchronously: wait for its queued work, so that a timer measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -1653,8 +1648,8 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
 
 # --- Run files, checkpoints, resume and signals
 
-# What --resume may change: the schedule, memory settings (the same steps up to rounding), the
-# folder, the learning rate (after a divergence). Not the evaluation's puzzles: the gain is paired.
+# What --resume may change. Memory settings keep the steps (up to rounding); the learning rate may
+# fall after a divergence. Not the evaluation's puzzles: the gain is paired.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
                      "generation_batch_size", "gradient_checkpointing", "measure_update", "learning_rate",
                      "output_dir", "report_to")
@@ -1677,8 +1672,7 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 class MetricsLog:
-    """A run's metrics.jsonl, a line per record; under --report_to tensorboard each record's numbers
-    also go to TensorBoard (out/tensorboard; a list per pi_old bin as KEY/0..3), with the config."""
+    """metrics.jsonl, and --report_to tensorboard's scalars (a list per pi_old bin as KEY/0..3)."""
 
     def __init__(self, out: Path, cfg: Config):
         self.path = out / "metrics.jsonl"
@@ -1731,8 +1725,8 @@ def checkpoints(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
-    """out/checkpoint-STEP/ (--model loads it; + trainer_state.pt), written as .tmp, renamed, then
-    older ones removed: a crash at any moment leaves a whole latest checkpoint."""
+    """out/checkpoint-STEP/ (--model loads it; + trainer_state.pt): a crash at any moment leaves a
+    whole latest checkpoint."""
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -1769,7 +1763,6 @@ def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
 
 
 def check_finite(model, step: int) -> None:
-    """A step that made a weight NaN or inf is neither saved nor trained on."""
     if not all(p.isfinite().all() for p in model.parameters()):
         raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: continue from the last "
                          "checkpoint with --resume --learning_rate LOWER")
@@ -1788,8 +1781,7 @@ def evaluated(out: Path, step: int) -> bool:
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM sets `signum`: the run ends its step, saves, exits 128 + signum.
-    A second one raises KeyboardInterrupt, keeping the last checkpoint."""
+    """A first Ctrl-C or SIGTERM sets `signum` (train); a second raises KeyboardInterrupt."""
 
     def __enter__(self):
         self.signum = 0
@@ -1807,7 +1799,7 @@ class StopOnSignal:
             signal.signal(s, handler)
 
 
-# --- Evaluation, and RL's gain over step 0 puzzle by puzzle
+# --- Evaluation, and RL's gain over step 0
 
 
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
@@ -1859,7 +1851,7 @@ def log_evaluation(log: MetricsLog, step: int, record: dict) -> None:
     log.write({"step": step, **record})
 
 
-# --- diagnose: Figure 1, and Figure 3 paired along a trajectory
+# --- diagnose
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
@@ -1910,7 +1902,7 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
-    try:  # matplotlib is optional
+    try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -1931,8 +1923,8 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
-# --- TRL: AR and Lopti inside trl.GRPOTrainer (pip install trl; tested with 1.16.0) for multi-GPU,
-# DeepSpeed and vLLM. Only what TRL cannot do: pi_old, AR, Lopti's stages, the loss.
+# --- TRL: AR and Lopti inside trl.GRPOTrainer (tested with trl 1.16.0). It overrides only what
+# TRL cannot do: pi_old, AR, Lopti's stages, the loss.
 
 
 @functools.cache
@@ -1941,8 +1933,8 @@ def _lopti_grpo_trainer_class():
 
     class LoptiGRPOTrainer(GRPOTrainer):
         """trl.GRPOTrainer with AR (Eq. 4) and Lopti (Algorithm 1), its stages as TRL's iterations,
-        doubled on a copy of `args` (max_steps counts both). Needs loss_type="dapo" (token-mean).
-        Unlike update_policy, TRL steps on a zero gradient and divides A by std + 1e-4."""
+        doubled on a copy of `args` (max_steps counts both). Unlike update_policy, TRL steps on a
+        zero gradient and divides A by std + 1e-4."""
 
         def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
                      lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
@@ -2016,24 +2008,22 @@ def __getattr__(name: str):
 # ====== The command line: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] ======
 
 PRESETS: dict[str, dict] = {
-    # a laptop, < 45 minutes on 2 cores: SmolLM2-135M on 2-person puzzles, no reference model, 50x
-    # the paper's learning rate, a 60-step warm-up (pure RL on K&K stalls at this size: toy/README)
+    # a laptop, < 45 minutes on 2 cores: 50x the paper's learning rate, a warm-up (pure RL on K&K
+    # stalls at this size: toy/README)
     "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=20,
                 prompts_per_step=4, num_generations=8, max_completion_length=160, mini_batch_size=32,
                 micro_batch_size=8, beta=0.0, learning_rate=5e-5, warmup_steps=60,
                 warmup_learning_rate=3e-4, stop_at_answer=True, eval_size=64, eval_every=10,
                 eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
-    # a free Colab T4 (15 GB, fp32): Qwen2.5-0.5B, 4 x 8 completions of <= 512 tokens, no reference
-    # model, the laptop's warm-up at a third of its rate (a larger model), 2-3 people (a 4-person
-    # case analysis is ~580 tokens), 400 training puzzles (4,480 cannot be found: 2-person puzzles
-    # are few), 64 evaluation puzzles. Never run on a GPU: README
+    # a free Colab T4 (15 GB, fp32): the laptop's warm-up at a third of its rate, 2-3 people (a
+    # 4-person case analysis is ~580 tokens). Never run on a GPU (README)
     "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", num_train=400,
                   steps=100, prompts_per_step=4, num_generations=8, max_completion_length=512,
                   mini_batch_size=16, micro_batch_size=4, beta=0.0, warmup_steps=60,
                   warmup_learning_rate=1e-4, gradient_checkpointing=True, eval_size=32,
                   eval_every=25, save_every=25, output_dir="runs/colab"),
-    # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length, 150 steps. Figure 3's
-    # measurement (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
+    # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length. Figure 3's measurement
+    # (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
                 generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
                 measure_update=False, output_dir="runs/gpu"),
