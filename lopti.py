@@ -30,6 +30,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import json
@@ -86,7 +87,8 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log pi(o_t) = log softmax(z_t / T)[o_t] in fp32, for logits (B, T, V) and tokens (B, T). The
     softmax's sum is in fp64: near pi = 1 it is 1 + a tiny rest, which fp32 rounds in steps of 6e-8,
-    so an update's change to such a token would read as none. (An LM's: hidden_logprobs, below.)"""
+    so an update's change to such a token would read as none. It holds a few fp32 copies of the
+    logits: an LM's go through hidden_logprobs (below), in chunks."""
     z = logits.float() / temperature  # (B, T, V)
     top = z.detach().amax(-1, keepdim=True)  # (B, T, 1): a shift, whose gradient would cancel
     log_sum = (z - top).exp().sum(-1, dtype=torch.float64).log()  # (B, T): log(1 + rest), in fp64
@@ -211,19 +213,19 @@ class Config:
     """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO)."""
     # --- PPO / GRPO update
     epsilon: float = 0.2
-    """The ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    """Lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float = 0.24
-    """(The official K&K scripts clip asymmetrically.)"""
+    """Upper clip (the official K&K scripts clip asymmetrically)."""
     dual_clip: float = 10.0
     """Dual-clip constant for A < 0 (the official code's clip_ratio_c; not in the paper)."""
     beta: float = 0.001
     """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
     learning_rate: float = 1e-6
-    """Constant, as in the official scripts."""
+    """The optimiser's, constant (as in the official scripts)."""
     optimizer: str = "adamw"
     """'adamw' (betas 0.9/0.999) or 'sgd', without momentum or decay (the paper's analysis: SGD)."""
     weight_decay: float = 0.01
-    """AdamW's, decoupled (SGD has none)."""
+    """AdamW's decoupled weight decay (SGD has none)."""
     max_grad_norm: float = 1.0
     """Clip of the gradients' global norm before each optimiser step."""
     mini_batch_size: int = 256
@@ -396,10 +398,10 @@ def divide(total, count) -> float:
     return float(total) / max(float(count), 1.0)
 
 
-# ====== Figures 1 and 3 of a step's own update, per pi_old bin ======
-# Bins [0,.25], (.25,.5], (.5,.75], (.75,1]. Figure 1 (measure_bins): each bin's share of the
+# ====== Figures 1 and 3, per pi_old bin ======
+# Bins [0,.25], (.25,.5], (.5,.75], (.75,1]. Figure 1 (measure_bins): each bin's share of a batch's
 # tokens and its gradient's norm. Figure 3 (update_counts): the share of A > 0 tokens whose
-# probability an update raised.
+# probability a step's own update raised.
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
 
@@ -1527,12 +1529,16 @@ def load_task_data(cfg: Config):
 
 def evaluation_puzzles(cfg: Config, people: int, seen: dict) -> datasets.Dataset:
     """cfg.eval_size puzzles of `people`, from a seed disjoint from training's: those without a
-    logical twin in `seen` first, of 4x as many where they exist (2 people: 399 puzzles, 95 classes,
+    logical twin in `seen` first, of up to 4x as many (2 people: 399 puzzles exist, 95 classes,
     so a 2-person evaluation has twins once training covers the classes)."""
     seed = cfg.seed + 1_000_003 + people
-    try:
-        pool = kk_generate(4 * cfg.eval_size, people, seed)
-    except ValueError:  # fewer puzzles of this size exist
+    for size in (4 * cfg.eval_size, 2 * cfg.eval_size):
+        try:
+            pool = kk_generate(size, people, seed)
+            break
+        except ValueError:  # fewer puzzles of this size exist
+            continue
+    else:
         pool = kk_generate(cfg.eval_size, people, seed)
     twins = kk_twins(pool, seen)
     twin_free_first = sorted(range(len(pool)), key=twins.__getitem__)  # (a stable sort)
@@ -1815,7 +1821,8 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
         sizes += chunk["num_people"]
     correct = [reward == KK_MAX_REWARD for reward in rewards]
     out = {"eval/accuracy": sum(correct) / len(correct), "eval/constant_accuracy": constant_accuracy(rows),
-           "eval/correct": "".join("1" if c else "0" for c in correct)}
+           "eval/correct": "".join("1" if c else "0" for c in correct),
+           "eval/puzzles": hashlib.sha256("\n".join(rows["quiz"]).encode()).hexdigest()[:12]}
     if "twin" in rows.column_names:
         no_twin = [c for c, twin in zip(correct, rows["twin"]) if not twin]
         out["eval/twins"] = len(correct) - len(no_twin)
@@ -1845,8 +1852,10 @@ def paired_gain(before: str, after: str) -> dict:
 
 
 def log_evaluation(log: MetricsLog, step: int, record: dict) -> None:
+    """The record, with RL's gain over step 0 if both evaluated the same puzzles (eval/puzzles)."""
     step_0 = [r for r in read_jsonl(log.path) if r["step"] == 0 and "eval/correct" in r]
-    if step > 0 and step_0:
+    same_puzzles = bool(step_0) and step_0[0].get("eval/puzzles") == record["eval/puzzles"]
+    if step > 0 and same_puzzles:
         record.update(paired_gain(step_0[0]["eval/correct"], record["eval/correct"]))
     log.write({"step": step, **record})
 
@@ -2088,10 +2097,11 @@ def resolve_config(args: dict) -> Config:
     if args.get("resume"):
         out = Path({**base, **explicit}.get("output_dir", Config.output_dir))
         try:
-            saved = Config(**json.loads((out / "config.json").read_text()))
+            saved = json.loads((out / "config.json").read_text())
+            checked = Config(**{**saved, "report_to": "none"})  # (its logger: with the flags, below)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--resume: {out} holds no run of lopti.py ({_first_line(e)})") from e
-        base = {**asdict(saved), "output_dir": str(out)}
+        base = {**asdict(checked), "report_to": saved.get("report_to", "none"), "output_dir": str(out)}
     return Config(**{**base, **explicit})
 
 

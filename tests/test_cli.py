@@ -158,8 +158,9 @@ def test_eval_prints_accuracy_and_the_constant_answers_as_json(cli_run, tmp_path
                        "--num_train", "8", "--num_people", "3", "--max_completion_length", "2",
                        "--eval_batch_size", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
+    puzzles = hashlib.sha256("\n".join([a["quiz"], a["quiz"], b["quiz"]]).encode()).hexdigest()[:12]
     assert out == pytest.approx({"eval/accuracy": 1 / 3, "eval/constant_accuracy": 2 / 3, "eval/correct": "001",
-                                 "eval/twins": 0, "eval/accuracy_no_twin": 1 / 3,
+                                 "eval/puzzles": puzzles, "eval/twins": 0, "eval/accuracy_no_twin": 1 / 3,
                                  "eval/accuracy_3ppl": 1 / 3, "eval/reward_3ppl": -1.0})
 
 

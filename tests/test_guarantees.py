@@ -339,6 +339,28 @@ def test_may_change_covers_resume_may_change():
     assert set(MAY_CHANGE) == set(lopti.RESUME_MAY_CHANGE)
 
 
+def test_resume_of_a_tensorboard_run_without_tensorboard_is_one_line_or_turns_it_off(trained_run, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """A run logged to TensorBoard, resumed where the package is missing: one line naming the package (not "no
+    run"), nothing written; with --report_to none it resumes (train goes on to pick a device: stopped there)."""
+    class Passed(Exception):
+        pass
+
+    def passed():
+        raise Passed
+
+    run = shutil.copytree(trained_run, tmp_path / "tb")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "report_to": "tensorboard"}))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    before = files(run)
+    assert run_main(["train", "--resume", "--output_dir", run]) == 2
+    assert "holds no run" not in one_line(capsys, "pip install tensorboard") and files(run) == before
+    monkeypatch.setattr(lopti, "pick_device", passed)
+    with pytest.raises(Passed):
+        lopti.main(["train", "--resume", "--output_dir", str(run), "--report_to", "none"])
+
+
 @pytest.mark.parametrize("flag", sorted(MAY_CHANGE))
 def test_resume_accepts_a_schedule_or_memory_setting(flag, trained_run, tmp_path, monkeypatch):
     """Each of RESUME_MAY_CHANGE passes the settings check (train goes on to pick a device: stopped there)."""

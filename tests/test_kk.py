@@ -667,6 +667,23 @@ def test_paired_gain_on_hand_made_outcomes():
     assert sign_test_p(3, 1) == pytest.approx(2 * 5 / 16)
 
 
+def test_the_gain_is_logged_only_against_a_step_0_of_the_same_puzzles(tmp_path):
+    """log_evaluation pairs an evaluation with step 0's only when both name the same puzzles (eval/puzzles): a run
+    begun before the evaluation's draw changed, or whose step 0 names none, gets no gain."""
+    log = lopti.MetricsLog(tmp_path, Config())
+    lopti.log_evaluation(log, 0, {"eval/correct": "1100110000", "eval/puzzles": "abc"})
+    lopti.log_evaluation(log, 10, {"eval/correct": "1011111000", "eval/puzzles": "abc"})
+    lopti.log_evaluation(log, 20, {"eval/correct": "1011111000", "eval/puzzles": "xyz"})
+    records = lopti.read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 10, 20] and "eval/gain" not in records[0]
+    assert records[1]["eval/gain"] == pytest.approx(0.2) and "eval/gain" not in records[2]
+    old = tmp_path / "old"
+    old.mkdir()
+    lopti.append_jsonl(old / "metrics.jsonl", {"step": 0, "eval/correct": "1100110000"})  # before eval/puzzles
+    lopti.log_evaluation(lopti.MetricsLog(old, Config()), 10, {"eval/correct": "1011111000", "eval/puzzles": "abc"})
+    assert "eval/gain" not in lopti.read_jsonl(old / "metrics.jsonl")[1]
+
+
 def test_an_unknown_statement_operator_is_a_row_error(tmp_path):
     """A row whose statement uses an operator the benchmark has not ("xor") is refused, not read as another."""
     row = json.loads((DATA / "3ppl_20.jsonl").read_text().splitlines()[0])

@@ -1,6 +1,7 @@
 """The LLM run (lopti.py's section "The LLM run") on tiny random models made in conftest.py (no download): masks and
 log-probs, the shared prompt, rollout and sampling, train_step's rows, the training loop, checkpoints, evaluation."""
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -477,8 +478,9 @@ def test_evaluate_accuracy_per_number_of_people_and_the_constant_answers(tiny_mo
     T, F = True, False
     rows = hand_rows([[T, F, T], [F, F, F], [T, F, T], [T, T, T, T], [F, T, F, T]])
     out = lopti.evaluate(model, tok, rows, Config(model="unused", max_completion_length=3, eval_batch_size=2), CPU)
+    puzzles = hashlib.sha256("\n".join(rows["quiz"]).encode()).hexdigest()[:12]
     assert out == {"eval/accuracy": 0.4, "eval/constant_accuracy": 0.6, "eval/correct": "00011",
-                   "eval/accuracy_3ppl": 0.0, "eval/reward_3ppl": -0.5, "eval/accuracy_4ppl": 1.0,
+                   "eval/puzzles": puzzles, "eval/accuracy_3ppl": 0.0, "eval/reward_3ppl": -0.5, "eval/accuracy_4ppl": 1.0,
                    "eval/reward_4ppl": 3.0}
 
 

@@ -25,7 +25,7 @@ def updates(traj):
 
 
 # --- the policy and the rollout ---
-def test_only_w_is_trained():
+def test_only_the_weight_is_trained():
     """W is the only parameter: contexts, token features, biases and targets stay fixed."""
     net = ToyPolicy(S, 0)
     assert [name for name, _ in net.named_parameters()] == ["weight"]
@@ -86,7 +86,7 @@ def test_samples_follow_the_policy():
 
 def test_target_is_second_to_the_bigram_token_at_decisions_and_unbiased_at_format_positions():
     """The designed biases: at a decision position the target gets the bigram token's bias minus target_gap (so,
-    with W = 0, it is the second most likely token); at a format position it gets none."""
+    with weight = 0, it is the second most likely token); at a format position it gets none."""
     net = ToyPolicy(S, 0)
     with torch.no_grad():
         net.weight.zero_()  # the logits are then the biases alone
