@@ -946,7 +946,7 @@ def method_config(cfg: Config, method: str) -> Config:
 
 
 def method_name(cfg: dict) -> str:
-    """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation), from a run's config.json."""
+    """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation; + _N_epochs), from a config."""
     ar = cfg["alpha"] > 0
     if cfg["lopti"]:
         name = "ar_lopti" if ar else "lopti"
@@ -954,6 +954,8 @@ def method_name(cfg: dict) -> str:
         name = "ar" if ar else "grpo"
     if cfg["lopti"] and cfg["lopti_order"] == "high_first":
         name += "_high_first"
+    if cfg["num_iterations"] > 1:
+        name += f"_{cfg['num_iterations']}_epochs"
     return name
 
 
@@ -1870,11 +1872,13 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     cfg = dataclasses.replace(cfg, measure_update=True)
     device = pick_device()
     own = method_name(asdict(cfg))
+    if own not in METHODS or cfg.num_iterations != 1:
+        raise ValueError(f"diagnose's trajectory is one of {', '.join(METHODS)} at one epoch")
     torch.manual_seed(cfg.seed)
     train_rows = load_task_data(cfg)[0]
     model, tokenizer, ref_model = load_policy(cfg, device)
     optimizer = make_optimizer(model, cfg)
-    methods = ("grpo", "ar", "lopti", "ar_lopti")
+    methods = tuple(METHODS)
     units = []
     result = {"model": cfg.model, "bins": BIN_NAMES}
 
@@ -1898,6 +1902,8 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
             summed = {m: {k.removeprefix("update/"): v for k, v in c.items()} for m, c in pooled.items()}
             deltas = paired_deltas(units)
             result["figure3_paired"] = {"steps": len(units), "delta_vs_grpo": deltas,
+                                        "delta_vs_grpo_2_epochs": paired_deltas(units, "grpo_2_epochs"),
+                                        "delta_vs_lopti": paired_deltas(units, "lopti"),
                                         "per_step": units, "methods": summed}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

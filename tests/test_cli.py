@@ -174,7 +174,7 @@ def test_diagnose_writes_figures_1_and_3_paired_and_only_reads_the_model(tiny_mo
     fig1 = result["figure1"]
     assert len(fig1["token_share"]) == 4 and sum(fig1["token_share"]) == pytest.approx(1.0)
     assert len(fig1["grad_norm"]["bins"]) == 4 and fig1["grad_norm"]["all"] > 0
-    paired, methods = result["figure3_paired"], ("grpo", "ar", "lopti", "ar_lopti")
+    paired, methods = result["figure3_paired"], tuple(lopti.METHODS)
     assert paired["steps"] == 2 and set(paired["methods"]) == set(methods)
     for m in methods:
         counts = paired["methods"][m]
@@ -184,9 +184,11 @@ def test_diagnose_writes_figures_1_and_3_paired_and_only_reads_the_model(tiny_mo
         assert all(r + f <= n for r, f, n in zip(counts["pos_rose"], counts["pos_fell"], counts["pos_tokens"]))
         # paired: every method is counted on the same batch, so the same tokens
         assert counts["pos_tokens"] == paired["methods"]["grpo"]["pos_tokens"] and sum(counts["pos_tokens"]) > 0
-    assert set(paired["delta_vs_grpo"]) == {"ar", "lopti", "ar_lopti"}
-    for d in paired["delta_vs_grpo"].values():  # (2 steps: p >= 2/4, never resolved)
-        assert len(d["delta"]) == len(d["p"]) == 4 and all(p >= 0.5 for p in d["p"]) and not any(d["resolved"])
+    for reference in ("grpo", "grpo_2_epochs", "lopti"):  # each method against the three references
+        deltas = paired[f"delta_vs_{reference}"]
+        assert set(deltas) == set(methods) - {reference}
+        for d in deltas.values():  # (2 steps: p >= 2/4, never resolved)
+            assert len(d["delta"]) == len(d["p"]) == 4 and all(p >= 0.5 for p in d["p"]) and not any(d["resolved"])
 
 
 def test_plot_writes_a_png(cli_run, tmp_path):
