@@ -1023,6 +1023,14 @@ def sign_patterns(units: int, resamples: int) -> Tensor:
     return torch.cat([observed, random])
 
 
+def sign_flip_p(differences: Tensor, resamples: int = 4000) -> Tensor:
+    """Two-sided sign-flip test of a zero sum, per column of paired differences (U, K): the share of
+    sign patterns whose sum is at least as far from 0 as the observed one. (K,)"""
+    signs = sign_patterns(len(differences), resamples)  # (S, U)
+    as_extreme = ((signs @ differences).abs() >= differences.sum(0).abs() - 1e-9).double()
+    return as_extreme.mean(0)  # (K,)
+
+
 def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
     """Per method and bin, over units (steps, or seeds' sums) of paired_counts: its share of A > 0
     tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0.
@@ -1032,12 +1040,10 @@ def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4
 
     n = counts(reference, "pos_tokens")
     reference_rose = counts(reference, "pos_rose")
-    signs = sign_patterns(len(units), resamples)  # (S, U)
     out = {}
     for method in [m for m in units[0] if m != reference]:
         d = counts(method, "pos_rose") - reference_rose  # (U, 4): rose, minus the reference's
-        as_extreme = ((signs @ d).abs() >= d.sum(0).abs() - 1e-9).double().sum(0)  # (4,)
-        p = as_extreme / len(signs)
+        p = sign_flip_p(d, resamples)  # (4,)
         delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         resolved = [x is not None and q < 0.05 for x, q in zip(delta, p.tolist())]
         out[method] = {"delta": delta, "p": p.tolist(), "resolved": resolved}
@@ -1078,8 +1084,13 @@ class ToySettings:
 
 
 TOY_QUICK = dict(seeds=2, steps=5)
-TOY_OWN_RUNS = ("grpo", "ar", "lopti", "ar_lopti")  # each trains its own trajectories
+TOY_OWN_RUNS = tuple(METHODS)  # each trains its own trajectories, on the same seeds
 TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # along GRPO's
+# Rewards paired by seed: every method against GRPO and against GRPO with Lopti's two passes
+# (compute-matched), and the ablation against Lopti
+TOY_REWARD_PAIRS = (*[(m, "grpo") for m in TOY_PAIRED],
+                    *[(m, "grpo_2_epochs") for m in ("ar", "lopti", "ar_lopti", "lopti_high_first")],
+                    ("lopti_high_first", "lopti"))
 
 
 class ToyPolicy(torch.nn.Module):
@@ -1192,13 +1203,19 @@ def run_toy(s: ToySettings) -> dict:
         runs[method] = [toy_trajectory(s, method, s.seed + i, paired) for i in range(s.seeds)]
     # Figure 3 of each method's own runs, their steps pooled
     figure3 = {"rose": {}, "rose_of_moved": {}, "ties": {}}
-    reward = {}
     for method, trajectories in runs.items():
         shares = figure3_shares(pool_counts([c for run in trajectories for c in run["counts"]]))
         for key in figure3:
             figure3[key][method] = shares[key]
-        rewards = torch.tensor([run["reward"] for run in trajectories], dtype=torch.float64)
-        reward[method] = rewards.mean(0).tolist()
+    # Rewards: each seed's per step; compared on the second half of the steps, paired by seed
+    reward = {method: [run["reward"] for run in trajectories] for method, trajectories in runs.items()}
+    late = {m: late_reward(rewards) for m, rewards in reward.items()}  # (seeds,) each
+    reward_paired = {}
+    for method, reference in TOY_REWARD_PAIRS:
+        differences = (late[method] - late[reference]).unsqueeze(1)  # (seeds, 1)
+        p = float(sign_flip_p(differences)[0])
+        reward_paired[f"{method} - {reference}"] = {"delta": float(differences.mean()), "p": p,
+                                                    "resolved": p < 0.05}
     # Figure 3 paired along GRPO's trajectories; a unit is a seed, its steps pooled
     units = []
     for run in runs["grpo"]:
@@ -1219,7 +1236,14 @@ def run_toy(s: ToySettings) -> dict:
     prop_4_2 = {"tokens": norm.numel(), "within": int(within.sum()),
                 "norm_over_rest": [float(norm_over_rest.min()), float(norm_over_rest.max())]}
     return {"settings": asdict(s), "bins": BIN_NAMES, "figure1": figure1, "prop_4_2": prop_4_2,
-            "reward": reward, "figure3": figure3}
+            "reward": reward, "reward_late": {m: float(r.mean()) for m, r in late.items()},
+            "reward_paired": reward_paired, "figure3": figure3}
+
+
+def late_reward(rewards: list[list[float]]) -> Tensor:
+    """Each seed's mean reward over the second half of its steps (all of them for one step): (seeds,)"""
+    rewards = torch.tensor(rewards, dtype=torch.float64)  # (seeds, steps)
+    return rewards[:, rewards.shape[1] // 2:].mean(1)
 
 
 def fmt_list(xs: list, spec: str = ".3f") -> str:
@@ -1248,6 +1272,13 @@ def toy_checks(r: dict) -> list[str]:
         every_bin = fmt_list(d["delta"], "+.3f")
         checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
                       f"{d['delta'][3]:+.3f}, p {d['p'][3]:.3f}; every bin {every_bin}")
+    steps = r["settings"]["steps"]
+    for pair, d in r["reward_paired"].items():
+        verdict = "not resolved"
+        if d["resolved"]:
+            verdict = "higher" if d["delta"] > 0 else "lower"
+        checks.append(f"[reward] {pair}, steps {steps // 2 + 1}-{steps}, paired by seed: "
+                      f"{d['delta']:+.3f}, p {d['p']:.3f}: {verdict}")
     return checks
 
 

@@ -2,6 +2,7 @@
 reward, the policy's designed biases, the trajectories with paired probes (Figure 3 paired), run_toy's results and
 the command line. Tiny settings keep the file to a few seconds."""
 import dataclasses
+import itertools
 import math
 import json
 import shutil
@@ -158,8 +159,12 @@ def test_run_toy_has_every_method(small_run):
     assert math.sqrt(SMALL.vocab / (SMALL.vocab - 1)) <= prop["norm_over_rest"][0] <= prop["norm_over_rest"][1]
     assert prop["norm_over_rest"][1] <= math.sqrt(2)
     assert lopti.toy_checks(small_run)[0].startswith("[yes] Prop. 4.2")
-    assert set(small_run["reward"]) == set(TOY_OWN_RUNS) and all(len(v) == SMALL.steps
-                                                                for v in small_run["reward"].values())
+    assert set(small_run["reward"]) == set(TOY_OWN_RUNS) == set(lopti.METHODS)
+    assert all(len(seeds) == SMALL.seeds and all(len(steps) == SMALL.steps for steps in seeds)
+               for seeds in small_run["reward"].values())  # each seed's reward per step
+    pairs = {f"{m} - {ref}" for m, ref in lopti.TOY_REWARD_PAIRS}
+    assert set(small_run["reward_paired"]) == pairs and {"lopti - grpo", "lopti - grpo_2_epochs",
+                                                         "lopti_high_first - lopti"} <= pairs
     assert sum(small_run["figure1"]["token_share"]) == pytest.approx(1.0)
     assert small_run["settings"] == dataclasses.asdict(SMALL)
 
@@ -174,8 +179,17 @@ def test_run_toy_pools_the_trajectories(small_run):
         steps = [c for t in trajs for c in t["counts"]]
         rose, n = total(steps, "pos_rose"), total(steps, "pos_tokens")
         assert small_run["figure3"]["rose"][m] == pytest.approx([r / k if k else None for r, k in zip(rose, n)])
-        assert small_run["reward"][m] == pytest.approx([sum(t["reward"][i] for t in trajs) / SMALL.seeds
-                                                        for i in range(SMALL.steps)])
+        assert small_run["reward"][m] == [t["reward"] for t in trajs]
+        second_half = [sum(t["reward"][SMALL.steps // 2:]) / (SMALL.steps - SMALL.steps // 2) for t in trajs]
+        assert small_run["reward_late"][m] == pytest.approx(sum(second_half) / SMALL.seeds)
+    for m, ref in lopti.TOY_REWARD_PAIRS:  # paired by seed: the mean difference, and the exact test over seeds
+        late = {x: [sum(t["reward"][SMALL.steps // 2:]) / (SMALL.steps - SMALL.steps // 2) for t in runs[x]]
+                for x in (m, ref)}
+        diffs = [a - b for a, b in zip(late[m], late[ref])]
+        sums = [sum(s * d for s, d in zip(signs, diffs)) for signs in itertools.product((1, -1), repeat=len(diffs))]
+        p = sum(abs(x) >= abs(sum(diffs)) - 1e-9 for x in sums) / len(sums)
+        assert small_run["reward_paired"][f"{m} - {ref}"] == pytest.approx(
+            {"delta": sum(diffs) / len(diffs), "p": p, "resolved": p < 0.05})
     probes = [p for t in runs["grpo"] for p in t["paired"]]
     n = total([p["grpo"] for p in probes], "pos_tokens")
     for m in TOY_PAIRED:
@@ -202,7 +216,7 @@ def test_the_toy_writes_runs_toy_unless_out_says_otherwise(monkeypatch, tmp_path
     toy/results.json."""
     monkeypatch.chdir(tmp_path)
     seen = []
-    fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}},
+    fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}}, "settings": {"steps": 1}, "reward_paired": {},
             "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]}}
     monkeypatch.setattr(lopti, "run_toy", lambda s: seen.append(s) or json.loads(json.dumps(fake)))
     for argv, folder, settings in ((["--quick"], "runs/toy", ToySettings(**lopti.TOY_QUICK)),
@@ -237,3 +251,23 @@ def test_an_odd_batch_runs_with_one_optimiser_step_a_pass():
     """prompts x group odd (3 x 3) or not a power of two: the toy still runs, Figure 1 included."""
     r = lopti.run_toy(ToySettings(seeds=1, steps=1, vocab=16, prompts=3, group=3))
     assert len(r["figure1"]["token_share"]) == 4 and r["reward"]["grpo"]
+
+
+def test_sign_flip_p_by_hand():
+    """Differences 1, 2, 3: of the 8 sign patterns, +1+2+3 and -1-2-3 are as far from 0 as the observed sum: p 2/8;
+    the second column, 1, -1, 0: every pattern's |sum| >= 0, p 1."""
+    p = lopti.sign_flip_p(torch.tensor([[1.0, 1.0], [2.0, -1.0], [3.0, 0.0]], dtype=torch.float64))
+    assert p.tolist() == [0.25, 1.0]
+
+
+def test_toy_prints_a_reward_verdict_per_pair():
+    result = {"settings": {"steps": 10}, "reward_paired": {
+        "lopti - grpo": {"delta": 0.027, "p": 0.008, "resolved": True},
+        "lopti - grpo_2_epochs": {"delta": -0.027, "p": 0.008, "resolved": True},
+        "ar - grpo": {"delta": 0.0, "p": 1.0, "resolved": False}},
+        "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]},
+        "figure3": {"rose": {"grpo": [0.9, 0.9, 0.9, 0.8]}, "paired": {}}}
+    lines = [line for line in lopti.toy_checks(result) if line.startswith("[reward]")]
+    assert lines == ["[reward] lopti - grpo, steps 6-10, paired by seed: +0.027, p 0.008: higher",
+                     "[reward] lopti - grpo_2_epochs, steps 6-10, paired by seed: -0.027, p 0.008: lower",
+                     "[reward] ar - grpo, steps 6-10, paired by seed: +0.000, p 1.000: not resolved"]
