@@ -1246,6 +1246,37 @@ def late_reward(rewards: list[list[float]]) -> Tensor:
     return rewards[:, rewards.shape[1] // 2:].mean(1)
 
 
+def plot_toy(r: dict, out: Path) -> None:
+    """The toy's results.json drawn: Figure 1 (a), (d) on the first batch, Figure 3 of each method's
+    own runs, and each method's mean reward per step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    bins = range(len(r["bins"]))
+    figure1 = r["figure1"]
+    axes[0].bar([b - 0.2 for b in bins], figure1["token_share"], 0.4, label="share of tokens")
+    norms = figure1["grad_norm"]["bins"]
+    axes[0].bar([b + 0.2 for b in bins], [n / figure1["grad_norm"]["all"] for n in norms], 0.4,
+                label="gradient norm / all tokens'")
+    axes[0].set(title="Figure 1 (a), (d): first batch, GRPO")
+    for method, rose in r["figure3"]["rose"].items():
+        axes[1].plot(bins, [math.nan if x is None else x for x in rose], marker="o", label=method)
+    axes[1].set(title="Figure 3: share of A > 0 tokens that rose", ylabel="own runs, steps pooled")
+    for ax in axes[:2]:
+        ax.set_xticks(list(bins), r["bins"])
+        ax.set_xlabel("pi_old bin")
+    for method, seeds in r["reward"].items():
+        mean = torch.tensor(seeds).mean(0)  # (steps,)
+        axes[2].plot(range(1, len(mean) + 1), mean, label=method)
+    axes[2].set(title=f"mean reward over {len(seeds)} seeds", xlabel="RL step")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+
+
 def fmt_list(xs: list, spec: str = ".3f") -> str:
     return " / ".join("-" if x is None else format(x, spec) for x in xs)
 
@@ -2157,7 +2188,13 @@ def toy_main(args: argparse.Namespace) -> dict:
     print("\n".join(result["checks"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out / 'results.json'} in {time.time() - t0:.1f} s")
+    wrote = [out / "results.json"]
+    try:
+        plot_toy(result, out / "figures.png")
+        wrote.append(out / "figures.png")
+    except ImportError:
+        print("(pip install matplotlib: figures.png too)")
+    print(f"wrote {', '.join(map(str, wrote))} in {time.time() - t0:.1f} s")
     return result
 
 

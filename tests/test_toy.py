@@ -2,6 +2,7 @@
 reward, the policy's designed biases, the trajectories with paired probes (Figure 3 paired), run_toy's results and
 the command line. Tiny settings keep the file to a few seconds."""
 import dataclasses
+import importlib.util
 import itertools
 import math
 import json
@@ -209,6 +210,10 @@ def test_cli_quick_writes_results(tmp_path, capsys, small_run):
     assert {k: v for k, v in saved.items() if k != "checks"} == json.loads(json.dumps(small_run))
     printed = capsys.readouterr().out
     assert saved["checks"] and all(line in printed for line in saved["checks"])
+    if importlib.util.find_spec("matplotlib"):  # the figures beside it, with matplotlib installed
+        assert (tmp_path / "figures.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "pip install matplotlib" in printed
 
 
 def test_the_toy_writes_runs_toy_unless_out_says_otherwise(monkeypatch, tmp_path):
