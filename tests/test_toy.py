@@ -224,6 +224,7 @@ def test_the_toy_writes_runs_toy_unless_out_says_otherwise(monkeypatch, tmp_path
     fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}}, "settings": {"steps": 1}, "reward_paired": {},
             "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]}}
     monkeypatch.setattr(lopti, "run_toy", lambda s: seen.append(s) or json.loads(json.dumps(fake)))
+    monkeypatch.setattr(lopti, "plot_toy", lambda result, out: out.write_bytes(b""))
     for argv, folder, settings in ((["--quick"], "runs/toy", ToySettings(**lopti.TOY_QUICK)),
                                    (["--seed", "3"], "runs/toy", ToySettings(seed=3)), ([], "runs/toy", ToySettings()),
                                    (["--out", "toy"], "toy", ToySettings()),
