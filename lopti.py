@@ -47,11 +47,107 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-import datasets
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
+
+# ====== Config: one dataclass, the paper's K&K settings ======
+
+
+@dataclass
+class Config:
+    """Every field is a flag (--field value); PRESETS change a few. Defaults: the paper's K&K run
+    (Qwen2.5-3B, scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig are TRL's.
+    check_config (below the first read) checks the ranges."""
+
+    # --- method
+    alpha: float = 0.3
+    """Advantage Reweighting strength, Eq. 4; 0 is GRPO (official: reweight_k; its K&K scripts: 0.3
+    with Lopti, 0.2 alone; the paper's math runs: 0.1)."""
+    lopti: bool = True
+    """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
+    eta: float = 0.5
+    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official: seperate_prob)."""
+    lopti_order: str = "low_first"
+    """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO)."""
+    # --- PPO / GRPO update
+    epsilon: float = 0.2
+    """Lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float = 0.24
+    """Upper clip (the official K&K scripts clip asymmetrically)."""
+    dual_clip: float = 10.0
+    """Dual-clip constant for A < 0 (the official code's clip_ratio_c; not in the paper)."""
+    beta: float = 0.001
+    """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
+    learning_rate: float = 1e-6
+    """The optimiser's, constant (as in the official scripts)."""
+    optimizer: str = "adamw"
+    """'adamw' (betas 0.9/0.999) or 'sgd', without momentum or decay (the paper's analysis: SGD)."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (SGD has none)."""
+    max_grad_norm: float = 1.0
+    """Clip of the gradients' global norm before each optimiser step."""
+    mini_batch_size: int = 256
+    """Responses per optimiser step (paper: 512 per RL step, 2 optimiser steps per pass)."""
+    micro_batch_size: int = 4
+    """Responses per forward/backward; gradients accumulate over a mini-batch."""
+    num_iterations: int = 1
+    """PPO epochs over the rollout in each update pass (paper: 1)."""
+    # --- rollout
+    model: str = "Qwen/Qwen2.5-3B-Instruct"
+    """Hub id or local folder of a causal LM with a chat template."""
+    prompts_per_step: int = 64
+    """Prompts per RL step, each sampled num_generations times."""
+    num_generations: int = 8
+    """Group size G: samples per prompt."""
+    temperature: float = 0.7
+    """Sampling temperature T. Every log-prob (current, old, reference) is of logits / T, as the
+    official actor's; else the first ratio is not 1 and Lopti's split moves."""
+    max_completion_length: int = 4096
+    """Tokens a completion may have; a longer one is cut and scored as it stands."""
+    generation_batch_size: int = 0
+    """Sequences per generate() call (0: all at once); smaller bounds the KV cache's memory."""
+    stop_at_answer: bool = False
+    """End completions at their first '</answer>' (the paper's end at EOS)."""
+    gradient_checkpointing: bool = False
+    """Recompute the update's activations in its backward pass: less memory, more time."""
+    # --- task, warm-up and schedule
+    warmup_steps: int = 0
+    """Supervised steps on the solver's case analysis before RL (kk_case_analysis; the paper: 0)."""
+    warmup_learning_rate: float = 2e-5
+    """The warm-up's constant learning rate (AdamW, whatever `optimizer` says)."""
+    train_data: str = "generate"
+    """'generate' (fresh puzzles; the official run: Logic-RL's files), a file or a hub dataset."""
+    num_people: str = "3-7"
+    """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
+    num_train: int = 4480
+    """Generated training puzzles (paper: 70 steps of 64 prompts per data epoch)."""
+    steps: int = 350
+    """RL steps (paper: 5 data epochs)."""
+    eval_data: str = "generate"
+    """'generate' (from a seed disjoint from training's) or a file / hub dataset."""
+    eval_size: int = 20
+    """Generated evaluation puzzles per number of people (official: 100 per size)."""
+    eval_every: int = 50
+    """Evaluate every this many steps; always at step 0 (after the warm-up) and at the end."""
+    eval_batch_size: int = 32
+    """Prompts per greedy generate() call in evaluation (memory only)."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end, and on Ctrl-C or SIGTERM)."""
+    measure_update: bool = True
+    """Log Figure 3 of each step's own update (one more no-grad forward; two in fp32 under bf16)."""
+    output_dir: str = "runs/lopti"
+    """The run's folder: config.json, metrics.jsonl, samples.jsonl, checkpoint-STEP/."""
+    seed: int = 0
+    """Seeds data order, sampling and generated puzzles."""
+    report_to: str = "none"
+    """'none', or 'tensorboard': metrics.jsonl's records and the config go to output_dir/tensorboard
+    too."""
+
+    def __post_init__(self):
+        check_config(self)  # the ranges, in the harness: a wrong value is one line
+
 
 # ====== Core maths: group advantage, log-probs, AR (Eq. 4), Lopti's split, Prop. 4.2, loss ======
 # Pure tensor functions that never mutate their inputs: each can be copied out with its test.
@@ -190,103 +286,6 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         stats = {"clip_high": clipped_high.sum(), "clip_low": clipped_low.sum(), "kl_ref": kl.sum(),
                  "tokens": mask.sum(), "kl_tokens": kl_mask.sum()}
     return loss, stats
-
-
-# ====== Config: one dataclass, the paper's K&K settings ======
-
-
-@dataclass
-class Config:
-    """Every field is a flag (--field value); PRESETS change a few. Defaults: the paper's K&K run
-    (Qwen2.5-3B, scripts/train_kklogic_*.sh). Names shared with TRL's GRPOConfig are TRL's.
-    check_config (below the first read) checks the ranges."""
-
-    # --- method
-    alpha: float = 0.3
-    """Advantage Reweighting strength, Eq. 4; 0 is GRPO (official: reweight_k; its K&K scripts: 0.3
-    with Lopti, 0.2 alone; the paper's math runs: 0.1)."""
-    lopti: bool = True
-    """Lopti: two update passes per step, low-probability tokens first (Algorithm 1)."""
-    eta: float = 0.5
-    """Lopti's threshold: tokens with pi_old < eta go in the low pass (official: seperate_prob)."""
-    lopti_order: str = "low_first"
-    """'low_first' is the paper's method; 'high_first' its ablation (worse than GRPO)."""
-    # --- PPO / GRPO update
-    epsilon: float = 0.2
-    """Lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
-    epsilon_high: float = 0.24
-    """Upper clip (the official K&K scripts clip asymmetrically)."""
-    dual_clip: float = 10.0
-    """Dual-clip constant for A < 0 (the official code's clip_ratio_c; not in the paper)."""
-    beta: float = 0.001
-    """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
-    learning_rate: float = 1e-6
-    """The optimiser's, constant (as in the official scripts)."""
-    optimizer: str = "adamw"
-    """'adamw' (betas 0.9/0.999) or 'sgd', without momentum or decay (the paper's analysis: SGD)."""
-    weight_decay: float = 0.01
-    """AdamW's decoupled weight decay (SGD has none)."""
-    max_grad_norm: float = 1.0
-    """Clip of the gradients' global norm before each optimiser step."""
-    mini_batch_size: int = 256
-    """Responses per optimiser step (paper: 512 per RL step, 2 optimiser steps per pass)."""
-    micro_batch_size: int = 4
-    """Responses per forward/backward; gradients accumulate over a mini-batch."""
-    num_iterations: int = 1
-    """PPO epochs over the rollout in each update pass (paper: 1)."""
-    # --- rollout
-    model: str = "Qwen/Qwen2.5-3B-Instruct"
-    """Hub id or local folder of a causal LM with a chat template."""
-    prompts_per_step: int = 64
-    """Prompts per RL step, each sampled num_generations times."""
-    num_generations: int = 8
-    """Group size G: samples per prompt."""
-    temperature: float = 0.7
-    """Sampling temperature T. Every log-prob (current, old, reference) is of logits / T, as the
-    official actor's; else the first ratio is not 1 and Lopti's split moves."""
-    max_completion_length: int = 4096
-    """Tokens a completion may have; a longer one is cut and scored as it stands."""
-    generation_batch_size: int = 0
-    """Sequences per generate() call (0: all at once); smaller bounds the KV cache's memory."""
-    stop_at_answer: bool = False
-    """End completions at their first '</answer>' (the paper's end at EOS)."""
-    gradient_checkpointing: bool = False
-    """Recompute the update's activations in its backward pass: less memory, more time."""
-    # --- task, warm-up and schedule
-    warmup_steps: int = 0
-    """Supervised steps on the solver's case analysis before RL (kk_case_analysis; the paper: 0)."""
-    warmup_learning_rate: float = 2e-5
-    """The warm-up's constant learning rate (AdamW, whatever `optimizer` says)."""
-    train_data: str = "generate"
-    """'generate' (fresh puzzles; the official run: Logic-RL's files), a file or a hub dataset."""
-    num_people: str = "3-7"
-    """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
-    num_train: int = 4480
-    """Generated training puzzles (paper: 70 steps of 64 prompts per data epoch)."""
-    steps: int = 350
-    """RL steps (paper: 5 data epochs)."""
-    eval_data: str = "generate"
-    """'generate' (from a seed disjoint from training's) or a file / hub dataset."""
-    eval_size: int = 20
-    """Generated evaluation puzzles per number of people (official: 100 per size)."""
-    eval_every: int = 50
-    """Evaluate every this many steps; always at step 0 (after the warm-up) and at the end."""
-    eval_batch_size: int = 32
-    """Prompts per greedy generate() call in evaluation (memory only)."""
-    save_every: int = 50
-    """Checkpoint every this many steps (and at the end, and on Ctrl-C or SIGTERM)."""
-    measure_update: bool = True
-    """Log Figure 3 of each step's own update (one more no-grad forward; two in fp32 under bf16)."""
-    output_dir: str = "runs/lopti"
-    """The run's folder: config.json, metrics.jsonl, samples.jsonl, checkpoint-STEP/."""
-    seed: int = 0
-    """Seeds data order, sampling and generated puzzles."""
-    report_to: str = "none"
-    """'none', or 'tensorboard': metrics.jsonl's records and the config go to output_dir/tensorboard
-    too."""
-
-    def __post_init__(self):
-        check_config(self)  # the ranges, in the harness: a wrong value is one line
 
 
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
@@ -438,44 +437,6 @@ def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tenso
             "update/neg_tokens": count_per_bin(neg),
             "update/neg_fell": count_per_bin(neg & fell),
             "update/neg_rose": count_per_bin(neg & rose)}
-
-
-def global_norm(tensors) -> float:
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
-
-
-def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict) -> dict:
-    """Figure 1 (a) and (d) on one batch: per bin, its share of the tokens of rows with A != 0, and
-    the norm of GRPO's gradient at ratio 1 with only its advantages kept. At ratio 1 the loss is
-    linear in A: the bins' gradients add up to the all-token one ("all")."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    mask = batch["mask"].bool()  # (B, T)
-    bins = bin_masks(batch["old_logprobs"], mask)  # (4, B, T)
-    num_tokens = mask.sum()
-    bin_grads = [[torch.zeros_like(p) for p in params] for _ in bins]  # [bin][parameter]
-    with_gradient = rows_with_gradient(batch["advantages"], 0.0)  # (B,): the rest may lack pi_old
-    for micro in split_rows(with_gradient.nonzero().squeeze(1).cpu(), micro_batch_size):
-        micro_batch = {k: v[micro] for k, v in batch.items()}
-        logprobs = logprob_fn(micro_batch)  # (b, T)
-        advantages = broadcast_to_tokens(micro_batch["advantages"], logprobs)  # (b, T)
-        for b, bin_mask in enumerate(bins):
-            bin_advantages = advantages * bin_mask[micro]  # (b, T)
-            loss, _ = policy_loss(logprobs, logprobs.detach(), bin_advantages, mask[micro],
-                                  num_tokens=num_tokens)
-            last_bin = b == len(bins) - 1  # the graph of this forward is kept for the next bins
-            grads = torch.autograd.grad(loss, params, retain_graph=not last_bin,
-                                        materialize_grads=True)
-            for total, grad in zip(bin_grads[b], grads):
-                total += grad
-    tokens_with_gradient = mask & with_gradient[:, None]  # (B, T)
-    shares = []
-    for bin_mask in bins:
-        tokens = (bin_mask & tokens_with_gradient).sum()
-        share = tokens / tokens_with_gradient.sum()
-        shares.append(float(share) if tokens_with_gradient.any() else None)
-    all_grads = [sum(bin_grad[k] for bin_grad in bin_grads) for k in range(len(params))]  # summed
-    grad_norms = {"bins": [global_norm(g) for g in bin_grads], "all": global_norm(all_grads)}
-    return {"token_share": shares, "grad_norm": grad_norms}
 
 
 # ====== Knights and Knaves: the paper's task, its prompt and reward (Logic-RL's) ======
@@ -920,6 +881,47 @@ def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Ten
             mask[i, last + 1:] = False
             stopped[i] = True
     return mask, stopped
+
+
+# --- Figure 1 (a), (d): each pi_old bin's share of the tokens and gradient norm
+
+
+def global_norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+
+def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict) -> dict:
+    """Figure 1 (a) and (d) on one batch: per bin, its share of the tokens of rows with A != 0, and
+    the norm of GRPO's gradient at ratio 1 with only its advantages kept. At ratio 1 the loss is
+    linear in A: the bins' gradients add up to the all-token one ("all")."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    mask = batch["mask"].bool()  # (B, T)
+    bins = bin_masks(batch["old_logprobs"], mask)  # (4, B, T)
+    num_tokens = mask.sum()
+    bin_grads = [[torch.zeros_like(p) for p in params] for _ in bins]  # [bin][parameter]
+    with_gradient = rows_with_gradient(batch["advantages"], 0.0)  # (B,): the rest may lack pi_old
+    for micro in split_rows(with_gradient.nonzero().squeeze(1).cpu(), micro_batch_size):
+        micro_batch = {k: v[micro] for k, v in batch.items()}
+        logprobs = logprob_fn(micro_batch)  # (b, T)
+        advantages = broadcast_to_tokens(micro_batch["advantages"], logprobs)  # (b, T)
+        for b, bin_mask in enumerate(bins):
+            bin_advantages = advantages * bin_mask[micro]  # (b, T)
+            loss, _ = policy_loss(logprobs, logprobs.detach(), bin_advantages, mask[micro],
+                                  num_tokens=num_tokens)
+            last_bin = b == len(bins) - 1  # the graph of this forward is kept for the next bins
+            grads = torch.autograd.grad(loss, params, retain_graph=not last_bin,
+                                        materialize_grads=True)
+            for total, grad in zip(bin_grads[b], grads):
+                total += grad
+    tokens_with_gradient = mask & with_gradient[:, None]  # (B, T)
+    shares = []
+    for bin_mask in bins:
+        tokens = (bin_mask & tokens_with_gradient).sum()
+        share = tokens / tokens_with_gradient.sum()
+        shares.append(float(share) if tokens_with_gradient.any() else None)
+    all_grads = [sum(bin_grad[k] for bin_grad in bin_grads) for k in range(len(params))]  # summed
+    grad_norms = {"bins": [global_norm(g) for g in bin_grads], "all": global_norm(all_grads)}
+    return {"token_share": shares, "grad_norm": grad_norms}
 
 
 # --- Figure 3 paired
@@ -1411,6 +1413,7 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
 def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0):
     """`n` distinct puzzles with one solution each, of num_people (int, or (lo, hi) per puzzle), in
     the benchmark's schema."""
+    import datasets
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= KK_MAX_PEOPLE, f"num_people must lie within 2..8, got {num_people}"
     rng = random.Random(seed)
@@ -1471,6 +1474,7 @@ def kk_load(source: str) -> datasets.Dataset:
     """Checked K&K rows from a .parquet/.jsonl/.json file (the benchmark's or Logic-RL's format) or
     a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" ("K-and-K/knights-and-knaves:test/3ppl"). What
     cannot be read is one ValueError naming it."""
+    import datasets
     path = Path(source)
     has_file_suffix = path.suffix.lower() in (".parquet", ".jsonl", ".json")
     if path.exists() and not has_file_suffix:
@@ -1571,6 +1575,7 @@ def warmup_puzzles(cfg: Config) -> datasets.Dataset:
 def load_task_data(cfg: Config):
     """Training and evaluation rows, none in both; evaluation's `twin` column (kk_twins of the
     training and warm-up puzzles)."""
+    import datasets
     lo, hi = people_range(cfg.num_people)
     if cfg.train_data == "generate":
         train = kk_generate(cfg.num_train, (lo, hi), cfg.seed)
@@ -2202,13 +2207,14 @@ def main(argv: list[str] | None = None) -> int:
     """A bad value or file: one line, exit 2; out of memory: one line naming the settings to lower,
     exit 1; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
     args = build_parser().parse_args(argv)
-    datasets.disable_progress_bars()
     try:
         if args.command == "toy":
             toy_main(args)
         elif args.command == "plot":
             plot_runs(args.runs, args.out)
         else:
+            import datasets
+            datasets.disable_progress_bars()
             cfg = resolve_config(vars(args))
             if args.command == "train":
                 print(f"done: {train(cfg, resume=getattr(args, 'resume', False))}")

@@ -297,7 +297,10 @@ def test_method_config():
     assert all((c.eta, c.learning_rate, c.mini_batch_size) == (0.4, cfg.learning_rate, B) for c in got.values())
     zero = dataclasses.replace(cfg, alpha=0.0)
     assert method_config(zero, "ar").alpha == method_config(zero, "ar_lopti").alpha == 0.3
-    assert lopti.method_name(dataclasses.asdict(method_config(cfg, "ar_lopti"))) == "ar_lopti"
+    assert lopti.method_name(dataclasses.asdict(method_config(cfg, "ar_lopti"))) == "ar_lopti_3_epochs"
+    one_epoch = dataclasses.replace(cfg, num_iterations=1)
+    assert {m: lopti.method_name(dataclasses.asdict(method_config(one_epoch, m))) for m in lopti.METHODS} == {
+        m: m for m in lopti.METHODS}  # a run's config names its method
 
 
 def _paired_setup():
