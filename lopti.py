@@ -5,7 +5,7 @@ et al., ICLR 2026, arXiv 2505.12929); official code: github.com/zhyang2226/AR-Lo
 
     python lopti.py toy                 # Figure 3's mechanism on a toy softmax policy, CPU, seconds
     python lopti.py train --preset cpu  # GRPO + AR + Lopti on Knights and Knaves, a Hugging Face LM
-    python lopti.py eval | diagnose | plot  # accuracy; Figures 1 and 3 of a model; learning curves
+    python lopti.py eval | diagnose | plot | compare  # accuracy; Figures 1, 3; curves; two runs
 
 The paper in the code, all above "A first read can stop here":
     GRPO's group advantage and loss        group_advantages, policy_loss
@@ -13,14 +13,30 @@ The paper in the code, all above "A first read can stop here":
     Algorithm 1, Lopti                     lopti_masks, lopti_stages, update_policy
     Figure 6, high-probability first       lopti_stages (lopti_order="high_first")
     Prop. 4.2, gradient norm ~ 1 - pi      logit_gradient_bounds (the toy checks it)
-    Figure 1 (a), (d): shares, grad norms  measure_bins (diagnose, the toy)
     Figure 3, A > 0 tokens that rose       update_counts (train; diagnose and the toy pair methods)
+    log pi(o_t) of a language model        lm_logprobs
     K&K, Logic-RL's prompt and reward      kk_prompt, kk_reward
     Algorithm 1's loop                     rollout_and_score, update_and_measure, train
 
-Below the banner, the harness: an LM's log-probs in chunks, prefix sharing, Figure 3 paired
-(paired_counts), the toy, puzzles, warm-up, checkpoints, evaluation, diagnose, TRL, the command
-line. Sections: grep -n '^# ===' lopti.py.
+Where this file differs from the paper's text, following the official code:
+    - the loss is a token-mean over the mini-batch (the paper averages each response first), and
+      both Lopti stages divide by all of its response tokens, so that they add up to GRPO's loss;
+    - a dual clip (10) for A < 0; a k3 KL to the reference over each stage's tokens, with clamps;
+    - the group's std is unbiased; the ratio's log is clamped to +-20 (upstream verl's).
+Where it differs from both, on purpose:
+    - the token-mean divides by the mini-batch's tokens (the code averages per micro-batch), so
+      micro-batching does not change the gradient; rows with A = 0 are skipped, an exact saving;
+    - every Lopti pass has the learning rate (verl 0.1's schedule gives a run's first pass 0);
+    - a mini-batch without gradient, or with a non-finite one, takes no optimiser step;
+    - no top-k, top-p or repetition penalty in sampling, so that pi_old is what was sampled from;
+    - Figure 3 counts from fp64-summed log-probs (the code's prob_stat: bf16 probabilities);
+    - an optional supervised warm-up (warm_up) for models below ~1.5B; the paper has none.
+Not implemented: the code's neg_adv_weight (its K&K scripts pass 1.0) and quantile split
+(seperate_prob = 0, unused by its scripts).
+
+Below the banner, the harness: an LM's log-probs in chunks with prefix sharing, Figures 1 and 3
+paired, the toy, puzzles, warm-up, run files, evaluation, diagnose, TRL, the command line.
+Sections: grep -n '^# [=-][=-][=-]' lopti.py.
 """
 from __future__ import annotations
 
@@ -163,10 +179,10 @@ def broadcast_to_tokens(advantages: Tensor, like: Tensor) -> Tensor:
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
     """GRPO's outcome advantage, one per response (official: compute_grpo_outcome_advantage):
 
-        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)    std unbiased (the official code's)
+        A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)    std unbiased
 
     `rewards` (B,): each prompt's G responses in consecutive rows. Equal rewards give A = 0, not
-    0/eps noise; a group of one gets mean 0, std 1, as in the official code.
+    0/eps noise; a group of one gets mean 0, std 1.
     Example: G = 8, rewards [1, 0, 0, 0, 0, 0, 0, 0] -> A = [2.47, -0.35, ..., -0.35]."""
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, "(B,), B a multiple of G"
     grouped = rewards.float().view(-1, group_size)  # (P, G)
@@ -198,8 +214,7 @@ def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) 
 
         A_{i,t} <- (alpha * pi_old(o_{i,t}) + 1 - alpha) * A_{i,t}
 
-    A constant weight, for positive and negative advantages alike; alpha = 0 is GRPO. (The official
-    config's neg_adv_weight, default 0.8, also scales A < 0; its K&K scripts pass 1.0, as here.)"""
+    A constant weight, for positive and negative advantages alike; alpha = 0 is GRPO."""
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
     weight = alpha * pi_old + 1 - alpha  # (B, T)
     return weight * broadcast_to_tokens(advantages, old_logprobs)  # (B, T)
@@ -207,8 +222,7 @@ def reweight_advantages(advantages: Tensor, old_logprobs: Tensor, alpha: float) 
 
 def lopti_masks(old_logprobs: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
     """Lopti's split of the response tokens (Algorithm 1): low = pi_old < eta, high = the rest, two
-    (B, T) masks. (The official seperate_prob = 0 switches to a quantile split, which its scripts
-    never use.)
+    (B, T) masks.
     Example, eta = 0.5: exp(old_logprobs) [[0.9, 0.2, 0.6, 1.0]], mask [[1, 1, 1, 0]]
         -> low [[F, T, F, F]], high [[T, F, T, F]]"""
     pi_old = old_logprobs.detach().float().exp()  # (B, T)
@@ -239,30 +253,26 @@ def logit_gradient_bounds(probs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                 mask: Tensor, *, epsilon: float = 0.2, epsilon_high: float = 0.24,
                 dual_clip: float = 10.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
-                kl_mask: Tensor | None = None,
                 num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's clipped surrogate with a k3 KL penalty, token-mean (official: core_algos.py); and
-    no-grad sums: clipped tokens, the KL, and the token counts behind them:
+    """GRPO's clipped surrogate with a k3 KL penalty, token-mean (official: core_algos.py), over the
+    tokens of `mask`; and no-grad sums: clipped tokens, the KL, and the tokens behind them:
 
         ratio = exp(logp - old_logp)
         pg    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
         pg    = min(pg, -A * dual_clip)                  where A < 0
         kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
-        loss  = (sum_{mask} pg + beta * sum_{kl_mask} kl) / num_tokens
+        loss  = sum_{mask} (pg + beta * kl) / num_tokens
 
-    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's count, for each of its
-    micro-batches (exact accumulation) and both Lopti stages (not renormalised: they add up to
-    GRPO). The dual clip, `kl_mask` per stage, the token-mean (the paper averages each response
-    first) and the shared denominator follow the official code, not the paper's text."""
+    (B, T) inputs (`advantages` may be (B,)). num_tokens: the mini-batch's response tokens, for
+    each of its micro-batches (exact accumulation) and both Lopti stages, whose `mask` is the
+    stage's tokens (not renormalised: the stages add up to GRPO)."""
     assert beta == 0 or ref_logprobs is not None, "beta > 0 needs ref_logprobs"
     adv = broadcast_to_tokens(advantages, logprobs)  # (B, T)
     mask = mask.bool()  # (B, T)
-    kl_mask = mask if kl_mask is None else kl_mask.bool() & mask  # (B, T)
     if num_tokens is None:
         num_tokens = mask.sum()
     denom = torch.as_tensor(num_tokens).clamp(min=1)
-    # The ratio: 0 on padding before exp (no NaN gradient); the clamp is upstream verl's (the fork's
-    # has none), as exp overflows
+    # The ratio: 0 on padding before exp (no NaN gradient), clamped as exp overflows
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # (B, T)
     ratio = log_ratio.clamp(-20, 20).exp()  # (B, T)
     # The clipped surrogate, then the dual clip
@@ -275,16 +285,16 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     # The k3 KL penalty, with the official code's clamps
     kl = torch.zeros_like(pg_loss)  # (B, T)
     if ref_logprobs is not None:
-        ref_log_ratio = torch.where(kl_mask, ref_logprobs.float() - logprobs.float(), 0.0)  # (B, T)
+        ref_log_ratio = torch.where(mask, ref_logprobs.float() - logprobs.float(), 0.0)  # (B, T)
         ref_log_ratio = ref_log_ratio.clamp(-5, 5)
         kl = (ref_log_ratio.exp() - ref_log_ratio - 1).clamp(-10, 10)  # (B, T)
-        kl = torch.where(kl_mask, kl, 0.0)
+        kl = torch.where(mask, kl, 0.0)
         loss = loss + beta * kl.sum() / denom
     with torch.no_grad():  # sums (0-dim tensors: no GPU sync), to add up over micro-batches
         clipped_high = (ratio > 1 + epsilon_high) & (adv > 0) & mask  # (B, T)
         clipped_low = (ratio < 1 - epsilon) & (adv < 0) & mask  # (B, T)
         stats = {"clip_high": clipped_high.sum(), "clip_low": clipped_low.sum(), "kl_ref": kl.sum(),
-                 "tokens": mask.sum(), "kl_tokens": kl_mask.sum()}
+                 "tokens": mask.sum()}
     return loss, stats
 
 
@@ -292,8 +302,6 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    # Ours: every pass has cfg.learning_rate (verl 0.1's constant schedule gives a run's first
-    # update_actor call, under Lopti step 1's low pass, a learning rate of 0)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
     params = model.parameters()
@@ -322,14 +330,21 @@ def lopti_stages(cfg: Config, mask: Tensor, old_logprobs: Tensor) -> list[tuple[
 
 
 def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, batch: dict):
-    """One RL step's update: AR (Eq. 4), then GRPO's pass or Lopti's two (Algorithm 1). `batch`:
-    (B, T) `old_logprobs` and `mask`, (B,) `advantages`, optionally `ref_logprobs`, and what
-    `logprob_fn(micro)` needs to return the current (b, T) log-probs with gradients."""
+    """One RL step's update: AR (Eq. 4), then GRPO's pass or Lopti's two (Algorithm 1).
+
+    cfg: Config's method and update fields (alpha, lopti, eta, lopti_order, epsilon, epsilon_high,
+    dual_clip, beta, num_iterations, mini_batch_size, micro_batch_size, max_grad_norm).
+    batch: B responses of T tokens, each tensor indexed by row:
+        mask          (B, T) bool   the response tokens (padding after each response is False)
+        advantages    (B,)          GRPO's group advantages (group_advantages), before AR
+        old_logprobs  (B, T)        log pi_old(o_t) at the sampling temperature, no gradient
+        ref_logprobs  (B, T)        the reference's, needed when cfg.beta > 0
+        and whatever logprob_fn(micro_batch) reads to return the current (b, T) log-probs with
+        gradients (the LM run: input_ids and attention_mask, (B, prompt + T))."""
     mask = batch["mask"].bool()  # (B, T)
     # Eq. 4 first: Lopti splits the reweighted advantages
     old_logprobs = batch["old_logprobs"]  # (B, T)
     advantages = reweight_advantages(batch["advantages"], old_logprobs, cfg.alpha)  # (B, T)
-    with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
     metrics = {}
     # Algorithm 1. Stage 1: the low-probability tokens (pi_old < eta) get a complete update pass.
     # Stage 2: the rest get one, from stage 1's weights and optimiser state, with the same pi_old
@@ -337,20 +352,20 @@ def update_policy(cfg: Config, logprob_fn: Callable[[dict], Tensor], optimizer, 
     for name, stage_mask in lopti_stages(cfg, mask, old_logprobs):
         stage_advantages = advantages * stage_mask  # (B, T): 0 outside this stage
         pass_metrics = update_pass(cfg, name, logprob_fn, optimizer=optimizer, batch=batch,
-                                   advantages=stage_advantages, stage_mask=stage_mask,
-                                   with_gradient=with_gradient)
+                                   advantages=stage_advantages, stage_mask=stage_mask)
         metrics.update(pass_metrics)
     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
     return metrics
 
 
 def update_pass(cfg: Config, name: str, logprob_fn: Callable, *, optimizer, batch: dict,
-                advantages: Tensor, stage_mask: Tensor, with_gradient: Tensor) -> dict:
+                advantages: Tensor, stage_mask: Tensor) -> dict:
     """A complete pass over the rollout, num_iterations times: an optimiser step per mini-batch, its
-    micro-batches' gradients accumulated."""
+    micro-batches' gradients accumulated, on the tokens of `stage_mask` (B, T)."""
     t0 = time.perf_counter()
     mask = batch["mask"].bool()  # (B, T)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
     tokens_with_gradient = mask & with_gradient[:, None]  # (B, T)
     stage_rows = (with_gradient & stage_mask.any(1)).cpu()  # (B,): rows with a gradient here
     totals = collections.Counter()
@@ -360,9 +375,8 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, *, optimizer, batc
             mini_batch = torch.arange(start, min(start + cfg.mini_batch_size, len(mask)))
             rows = mini_batch[stage_rows[mini_batch]]
             if len(rows) == 0:
-                continue  # ours: no gradient, no step (the official code steps; AdamW still moves)
+                continue  # no gradient, no step
             # The token-mean's denominator: every response token of the mini-batch, in both stages
-            # (ours: the official code averages each micro-batch, then divides by their number)
             num_tokens = mask[mini_batch].sum()
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
@@ -370,26 +384,26 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, *, optimizer, batc
                 micro_batch = {k: v[micro] for k, v in batch.items()}
                 logprobs = logprob_fn(micro_batch)  # (b, T)
                 loss, stats = policy_loss(
-                    logprobs, micro_batch["old_logprobs"], advantages[micro], mask[micro],
+                    logprobs, micro_batch["old_logprobs"], advantages[micro], stage_mask[micro],
                     epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, dual_clip=cfg.dual_clip,
                     ref_logprobs=micro_batch.get("ref_logprobs"), beta=cfg.beta,
-                    kl_mask=stage_mask[micro], num_tokens=num_tokens)
+                    num_tokens=num_tokens)
                 loss.backward()
                 loss_sum += loss.detach()
                 totals.update(stats)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             if not math.isfinite(grad_norm):
-                continue  # ours: a NaN or inf step would corrupt the weights (official: steps)
+                continue  # a NaN or inf step would corrupt the weights
             optimizer.step()
             grad_norms.append(grad_norm)
             losses.append(loss_sum)  # (a tensor: read once, after the pass)
-    token_share = divide((stage_mask & tokens_with_gradient).sum(), tokens_with_gradient.sum())
     return {f"{name}/loss": divide(sum(losses), len(losses)),
             f"{name}/grad_norm": divide(sum(grad_norms), len(grad_norms)),
             f"{name}/clip_high": divide(totals["clip_high"], totals["tokens"]),
             f"{name}/clip_low": divide(totals["clip_low"], totals["tokens"]),
-            f"{name}/kl_ref": divide(totals["kl_ref"], totals["kl_tokens"]),
-            f"{name}/token_share": token_share,
+            f"{name}/kl_ref": divide(totals["kl_ref"], totals["tokens"]),
+            f"{name}/token_share": divide((stage_mask & tokens_with_gradient).sum(),
+                                          tokens_with_gradient.sum()),
             f"time/update_{name}": time.perf_counter() - t0}
 
 
@@ -421,8 +435,7 @@ def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tenso
                   old_logprobs: Tensor | None = None) -> dict[str, list[int]]:
     """Figure 3 per bin of `old_logprobs` (default `before`): the A > 0 tokens (A before AR) and how
     many rose or fell from `before` to `after` (one pass's log-probs, so an unmoved token compares
-    equal), the A < 0 tokens and how many fell or rose; the rest tied. (The official code counts
-    from bf16 probabilities, ray_trainer.py's "prob_stat".)"""
+    equal), the A < 0 tokens and how many fell or rose; the rest tied."""
     if old_logprobs is None:
         old_logprobs = before
     bins = bin_masks(old_logprobs, mask)  # (4, B, T)
@@ -2072,9 +2085,10 @@ def _lopti_grpo_trainer_class():
                 denom = denom * self.current_gradient_accumulation_steps / self.args.steps_per_generation
             logprobs = self._logps(model, inputs)  # (b, T)
             old = inputs.get("old_per_token_logps", logprobs.detach())
-            loss, _ = policy_loss(logprobs, old, inputs["advantages"] * stage, mask, epsilon=self.epsilon_low,
-                                  epsilon_high=self.epsilon_high, dual_clip=self.dual_clip, beta=self.beta,
-                                  ref_logprobs=inputs.get("ref_per_token_logps"), kl_mask=stage, num_tokens=denom)
+            loss, _ = policy_loss(logprobs, old, inputs["advantages"] * stage, stage,
+                                  epsilon=self.epsilon_low, epsilon_high=self.epsilon_high,
+                                  dual_clip=self.dual_clip, beta=self.beta,
+                                  ref_logprobs=inputs.get("ref_per_token_logps"), num_tokens=denom)
             return loss
 
     return LoptiGRPOTrainer

@@ -172,7 +172,7 @@ def test_policy_loss_golden():
 
 
 def test_policy_loss_kl_golden():
-    """k3 KL with the official clamps, over kl_mask, with the loss's denominator."""
+    """k3 KL with the official clamps, over the mask, with the loss's denominator."""
     logp, old, adv, mask = _golden_batch()
     ref = logp.clone()
     ref[0, 0] += math.log(2.0)  # k3 = 2 - ln 2 - 1
@@ -182,12 +182,14 @@ def test_policy_loss_kl_golden():
     loss, stats = policy_loss(logp, old, adv, mask, ref_logprobs=ref, beta=0.1)
     kl_sum = (1 - math.log(2.0)) + 10.0
     assert loss.item() == pytest.approx(base.item() + 0.1 * kl_sum / 7, abs=1e-6)
-    assert stats["kl_ref"] == pytest.approx(kl_sum, abs=1e-5) and stats["kl_tokens"] == 7
-    # kl_mask restricts the penalty to its tokens, the denominator stays
+    assert stats["kl_ref"] == pytest.approx(kl_sum, abs=1e-5) and stats["tokens"] == 7
+    # a Lopti stage as the mask restricts both terms to its tokens; the denominator stays the mini-batch's
     only = torch.zeros_like(mask)
     only[0, 0] = True
-    loss_m, _ = policy_loss(logp, old, adv, mask, ref_logprobs=ref, beta=0.1, kl_mask=only)
-    assert loss_m.item() == pytest.approx(base.item() + 0.1 * (1 - math.log(2.0)) / 7, abs=1e-6)
+    base_m, _ = policy_loss(logp, old, adv[:, None] * only, only, num_tokens=7)
+    loss_m, stats_m = policy_loss(logp, old, adv[:, None] * only, only, ref_logprobs=ref, beta=0.1, num_tokens=7)
+    assert loss_m.item() == pytest.approx(base_m.item() + 0.1 * (1 - math.log(2.0)) / 7, abs=1e-6)
+    assert stats_m["tokens"] == 1 and stats_m["kl_ref"] == pytest.approx(1 - math.log(2.0), abs=1e-6)
 
 
 def test_policy_loss_padding_garbage_gives_no_nan():
@@ -257,8 +259,8 @@ def test_lopti_stages_sum_to_grpo_gradient():
     n = int(mask.sum())
     kw = dict(ref_logprobs=ref, beta=0.01, num_tokens=n)
     full = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv, mask, **kw))
-    g_low = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv * low, mask, kl_mask=low, **kw))
-    g_high = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv * high, mask, kl_mask=high, **kw))
+    g_low = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv * low, low, **kw))
+    g_high = _grad(weight, x, tokens, lambda lp: policy_loss(lp, old, adv * high, high, **kw))
     torch.testing.assert_close(g_low + g_high, full, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(g_low, full, atol=1e-3)  # each stage alone is a different update
 

@@ -42,7 +42,7 @@ def _run(cfg, weight, batch, optim=torch.optim.SGD, **optim_kw):
 def _grad(w, batch, adv, stage, n):
     w = w.clone().requires_grad_()
     lp = token_logprobs(batch["x"] @ w, batch["tokens"])
-    loss, _ = policy_loss(lp, batch["old_logprobs"], adv * stage, batch["mask"], kl_mask=stage, num_tokens=n)
+    loss, _ = policy_loss(lp, batch["old_logprobs"], adv * stage, stage, num_tokens=n)
     loss.backward()
     return w.grad
 
@@ -172,7 +172,7 @@ def test_zero_advantage_rows_are_skipped_and_the_step_is_unchanged(alpha, lopti_
     for stage in stages:  # by hand, over all 6 rows
         opt_ref.zero_grad()
         lp = token_logprobs(batch["x"] @ w_ref, batch["tokens"])
-        policy_loss(lp, batch["old_logprobs"], adv * stage, batch["mask"], kl_mask=stage)[0].backward()
+        policy_loss(lp, batch["old_logprobs"], adv * stage, stage, num_tokens=batch["mask"].sum())[0].backward()
         opt_ref.step()
     torch.testing.assert_close(w.detach(), w_ref.detach(), atol=1e-12, rtol=0)
 
