@@ -523,6 +523,21 @@ def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
 # ====== The LLM run: rollout, reward, group advantage, pi_old, update, Figure 3, on K&K ======
 
 
+def lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                temperature: float) -> Tensor:
+    """log pi(o_t) at temperature T of the last C = num_completion tokens of left-padded rows
+    (B, L): (B, C). The plain computation; the run uses completion_logprobs (below the banner),
+    which gives the same in chunks, running a group's shared prompt once."""
+    C = num_completion
+    # Positions count from each row's first token, as generate() counted them
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=C + 1)
+    logits = out.logits[:, :-1]  # (B, C, V): the logits at position t predict token t + 1
+    targets = input_ids[:, -C:]  # (B, C)
+    return token_logprobs(logits, targets, temperature)  # (B, C)
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends a response (Qwen has two)."""
     ids = model.generation_config.eos_token_id
@@ -573,15 +588,18 @@ def rollout(model, tokenizer, prompts: list[str], cfg: Config, device, greedy: b
 def rollout_and_score(cfg: Config, model, ref_model, tokenizer, rows, device) -> tuple[dict, dict]:
     """Algorithm 1, lines 3-5, on K&K rows: G completions per prompt from pi_old, their rewards and
     group advantages, and pi_old's (and the reference's) log-probs, fixed for the step. Returns the
-    batch and the step's rollout metrics, with the first prompt's G completions ("samples")."""
+    batch (update_policy's) and the step's rollout metrics, with the first prompt's G completions
+    ("samples")."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     prompts = [kk_prompt(tokenizer, quiz) for quiz in rows["quiz"] for _ in range(G)]
     batch = rollout(model, tokenizer, prompts, cfg=cfg, device=device)
+    texts = batch.pop("texts")
+    truncated = batch.pop("truncated")  # (B,)
     t1 = time.perf_counter()
     # Outcome rewards, GRPO's group advantage
     solutions = [solution for solution in rows["solution_text_format"] for _ in range(G)]
-    rewards = kk_rewards(batch["texts"], solutions)  # (B,)
+    rewards = kk_rewards(texts, solutions)  # (B,)
     batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
     # pi_old (and the reference's) by a no-grad pass
     with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
@@ -592,113 +610,56 @@ def rollout_and_score(cfg: Config, model, ref_model, tokenizer, rows, device) ->
     t2 = time.perf_counter()
     groups = rewards.view(-1, G)  # (P, G)
     zero_spread = (groups == groups[:, :1]).all(1)  # (P,): no advantage, no learning
-    first_group = zip(rewards[:G].tolist(), batch["texts"])
+    first_group = zip(rewards[:G].tolist(), texts)
     samples = [{"reward": r, "completion": THINK_PREFIX + text} for r, text in first_group]
     metrics = {"reward": rewards.mean().item(),
                "accuracy": (rewards == KK_MAX_REWARD).float().mean().item(),
                "format_error": (rewards == KK_FORMAT_ERROR).float().mean().item(),
                "zero_std_groups": zero_spread.float().mean().item(),
                "completion_length": batch["mask"].sum(1).float().mean().item(),
-               "truncated": batch["truncated"].float().mean().item(),
+               "truncated": truncated.float().mean().item(),
                "time/rollout": t1 - t0, "time/logprobs": t2 - t1, "samples": samples}
     return batch, metrics
 
 
-def update_and_measure(cfg: Config, model, optimizer, batch: dict, device,
-                       probe: Callable | None = None) -> dict:
-    """The update (Algorithm 1) of a scored batch, then its Figure 3 (update_counts). `probe(batch,
-    logprob_fn, measure, before)` runs before the update (diagnose); no optimizer, no update."""
-    t0 = time.perf_counter()
-    # Figure 3's before and after by one pass, so an unmoved token compares equal: pi_old's, or
-    # under bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6 moves)
-    with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
-    measure_in_fp32 = has_bf16(device)
-    measure = functools.partial(batched_logprobs, model, batch, cfg, device=device,
-                                rows=with_gradient, fp32=measure_in_fp32)
-    before = measure() if measure_in_fp32 and cfg.measure_update else batch["old_logprobs"]
-    wait_for_device(device)  # (CUDA is asynchronous: else this time lands in the update's)
-    measure_time = time.perf_counter() - t0
+def update_and_measure(cfg: Config, model, optimizer, batch: dict, device) -> dict:
+    """The update (Algorithm 1) of a scored batch; with cfg.measure_update, then its Figure 3
+    (update_counts of the log-probs before and after it: UpdateMeasure)."""
+    measure = UpdateMeasure(cfg, model, batch, device)
 
-    def logprob_fn(micro: dict) -> Tensor:
+    def logprob_fn(micro_batch: dict) -> Tensor:  # the current policy's (b, T), with gradients
         with autocast(device):
-            return completion_logprobs(model, micro, cfg.temperature)
+            return completion_logprobs(model, micro_batch, cfg.temperature)
 
-    update_keys = ("input_ids", "attention_mask", "mask", "advantages", "old_logprobs",
-                   "ref_logprobs")
-    tensors = {k: batch[k] for k in update_keys if k in batch}
     model.train()  # for gradient checkpointing; dropout is off (load_model)
-    metrics = probe(tensors, logprob_fn, measure, before) if probe else {}
-    if optimizer is None:
-        return metrics
-    metrics.update(update_policy(cfg, logprob_fn, optimizer, tensors))
+    metrics = update_policy(cfg, logprob_fn, optimizer, batch)
     if cfg.measure_update:
-        t0 = time.perf_counter()
-        after = measure()
-        counts = update_counts(before, after, advantages=batch["advantages"], mask=batch["mask"],
-                               old_logprobs=batch["old_logprobs"])
-        metrics.update(counts)
-        metrics["time/measure"] = measure_time + time.perf_counter() - t0
+        metrics.update(measure.counts())
     return metrics
 
 
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device,
-               probe: Callable | None = None) -> dict:
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device) -> dict:
     """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions
-    ("samples"). `probe` and no optimizer: update_and_measure."""
+    ("samples")."""
     batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer=tokenizer, rows=rows,
                                        device=device)
-    update_metrics = update_and_measure(cfg, model, optimizer, batch=batch, device=device,
-                                        probe=probe)
-    return {**metrics, **update_metrics}
+    metrics.update(update_and_measure(cfg, model, optimizer, batch=batch, device=device))
+    return metrics
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
-    """GRPO (+AR, +Lopti) on K&K into cfg.output_dir (metrics.jsonl: a line per step and per
-    evaluation). Ctrl-C or SIGTERM finishes the step, saves and exits 130 or 143; a second signal
-    aborts at once, keeping the last checkpoint."""
-    out = Path(cfg.output_dir)
-    check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: a run of cfg's method
-    device = pick_device()
-    torch.manual_seed(cfg.seed)
-    train_rows, eval_rows = load_task_data(cfg)  # a bad data file fails here, before any writing
-    latest = checkpoints(out)[-1] if resume and checkpoints(out) else None
-    state = load_trainer_state(latest)  # {"step": 0} for a new run
-    model, tokenizer, ref_model = load_policy(cfg, device, latest)  # warmed up unless resumed
-    optimizer = make_optimizer(model, cfg)
-    restore_trainer_state(state, optimizer, cfg)
-    start = state["step"]
-    start_run_files(out, cfg, start)
-    log = MetricsLog(out, cfg)  # metrics.jsonl, and --report_to's logger
-
-    def evaluate_and_log(step: int) -> None:
-        accuracy = evaluate(model, tokenizer, eval_rows, cfg=cfg, device=device)
-        log_evaluation(log, step, accuracy)
-
-    with StopOnSignal() as stop, tqdm(initial=start, total=cfg.steps, desc="train") as progress:
-        if evaluation_due(cfg, start) and not evaluated(out, start):
-            evaluate_and_log(start)  # step 0, after the warm-up; or a run stopped before evaluating
-        step = start
-        while step < cfg.steps and not stop.signum:
-            step += 1
-            rows = train_rows[step_rows(len(train_rows), cfg, step - 1)]
-            metrics = train_step(cfg, model, ref_model, tokenizer=tokenizer, optimizer=optimizer,
-                                 rows=rows, device=device)
-            check_finite(model, step)
-            samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
-            append_jsonl(out / "samples.jsonl", samples)
-            log.write({"step": step, "learning_rate": cfg.learning_rate, **metrics})
-            if checkpoint_due(cfg, step) or stop.signum:
-                save_checkpoint(out, model, tokenizer, optimizer=optimizer, step=step)
-            if evaluation_due(cfg, step) and not stop.signum:
-                evaluate_and_log(step)
-            progress.update()
-        if stop.signum:
-            if not (out / f"checkpoint-{step}").exists():  # the signal came during an evaluation
-                save_checkpoint(out, model, tokenizer, optimizer=optimizer, step=step)
-            print(f"lopti.py train: stopped after step {step}, saved; continue with --resume",
-                  file=sys.stderr)
-            raise SystemExit(128 + stop.signum)
-    return checkpoints(out)[-1]
+    """GRPO (+AR, +Lopti) on K&K into cfg.output_dir: config.json, metrics.jsonl (a line per step
+    and per evaluation), samples.jsonl, checkpoint-STEP/. Returns the last checkpoint. Run (below
+    the banner) holds the plumbing: the folder, data, model and warm-up, resume, evaluations,
+    checkpoints and logs."""
+    # Ctrl-C or SIGTERM: the step (or warm-up step) ends and is saved; exit 130 or 143
+    with StopOnSignal() as stop, Run(cfg, resume, stop) as run:  # evaluates step 0
+        for step in range(run.start + 1, cfg.steps + 1):
+            rows = run.train_rows[step_rows(len(run.train_rows), cfg, step - 1)]
+            metrics = train_step(cfg, run.model, run.ref_model, tokenizer=run.tokenizer,
+                                 optimizer=run.optimizer, rows=rows, device=run.device)
+            run.end_step(step, rows, metrics)  # logs, checkpoint, evaluation; after a signal: exit
+    return checkpoints(run.out)[-1]
 
 
 # ====== A first read can stop here ======
@@ -848,6 +809,32 @@ def split_rows(rows: Tensor, size: int) -> list[Tensor]:
     if len(rows) == 0:
         return []
     return list(rows.split(size))
+
+
+class UpdateMeasure:
+    """Figure 3 of one update: the log-probs before and after it by one pass each, so that an
+    unmoved token compares equal: before is pi_old's, or under bf16 an fp32 pass (bf16 rounds by
+    0.4 %, more than lr 1e-6 moves). `after()` is that pass; `counts()` is update_counts."""
+
+    def __init__(self, cfg: Config, model, batch: dict, device):
+        t0 = time.perf_counter()
+        self.batch = batch
+        with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
+        measure_in_fp32 = has_bf16(device)
+        self.after = functools.partial(batched_logprobs, model, batch, cfg, device=device,
+                                       rows=with_gradient, fp32=measure_in_fp32)
+        self.before = batch["old_logprobs"]
+        if measure_in_fp32 and cfg.measure_update:
+            self.before = self.after()
+        wait_for_device(device)  # (CUDA is asynchronous: else this time lands in the update's)
+        self.seconds = time.perf_counter() - t0
+
+    def counts(self) -> dict:
+        t0 = time.perf_counter()
+        after = self.after()
+        counts = update_counts(self.before, after, advantages=self.batch["advantages"],
+                               mask=self.batch["mask"], old_logprobs=self.batch["old_logprobs"])
+        return {**counts, "time/measure": self.seconds + time.perf_counter() - t0}
 
 
 # --- The rollout's speed
@@ -1089,13 +1076,15 @@ class ToySettings:
     target_gap: float = 0.5  # a target's bias is the bigram token's minus this
 
     def __post_init__(self):  # a bad --setting is one line (main)
-        checks = (("seeds", self.seeds >= 1), ("steps", self.steps >= 1), ("vocab", self.vocab >= 2),
-                  ("dim", self.dim >= 1), ("prompts", self.prompts >= 1), ("group", self.group >= 2),
-                  ("decisions", 1 <= self.decisions <= self.length),
-                  ("target_gap", self.target_gap >= 0))
-        for name, ok in checks:
+        checks = (("seeds", self.seeds >= 1, ">= 1"), ("steps", self.steps >= 1, ">= 1"),
+                  ("vocab", self.vocab >= max(2, self.prompts), ">= 2 and >= prompts (ids)"),
+                  ("dim", self.dim >= 1, ">= 1"), ("prompts", self.prompts >= 1, ">= 1"),
+                  ("group", self.group >= 2, ">= 2"),
+                  ("decisions", 1 <= self.decisions <= self.length, "in 1..length"),
+                  ("target_gap", self.target_gap >= 0, ">= 0"))
+        for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"toy setting {name} = {getattr(self, name)!r} is out of range")
+                raise ValueError(f"toy setting {name} must be {allowed}, got {getattr(self, name)!r}")
 
 
 TOY_QUICK = dict(seeds=2, steps=5)
@@ -1270,10 +1259,11 @@ def plot_toy(r: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     bins = range(len(r["bins"]))
     figure1 = r["figure1"]
-    axes[0].bar([b - 0.2 for b in bins], figure1["token_share"], 0.4, label="share of tokens")
-    norms = figure1["grad_norm"]["bins"]
-    axes[0].bar([b + 0.2 for b in bins], [n / figure1["grad_norm"]["all"] for n in norms], 0.4,
-                label="gradient norm / all tokens'")
+    shares = [math.nan if x is None else x for x in figure1["token_share"]]  # (None: no token)
+    axes[0].bar([b - 0.2 for b in bins], shares, 0.4, label="share of tokens")
+    all_tokens = figure1["grad_norm"]["all"] or math.nan
+    norms = [n / all_tokens for n in figure1["grad_norm"]["bins"]]
+    axes[0].bar([b + 0.2 for b in bins], norms, 0.4, label="gradient norm / all tokens'")
     axes[0].set(title="Figure 1 (a), (d): first batch, GRPO")
     for method, rose in r["figure3"]["rose"].items():
         axes[1].plot(bins, [math.nan if x is None else x for x in rose], marker="o", label=method)
@@ -1305,19 +1295,25 @@ def toy_checks(r: dict) -> list[str]:
     checks = [f"[{holds}] Prop. 4.2, {bound}, holds on {p['within']} of {p['tokens']} sampled "
               f"tokens: ||e_j - pi|| / (1 - pi_j) from {lo:.3f} to {hi:.3f}"]
     rose = r["figure3"]["rose"]["grpo"]
-    gap = rose[0] - rose[3]
-    declines = "yes" if gap >= 0.05 else "NO "
-    checks.append(f"[{declines}] GRPO's top bin rose at least 0.05 less often than its lowest: "
-                  f"{fmt_list(rose)} (lowest - top {gap:+.3f})")
+    if None in (rose[0], rose[3]):
+        checks.append(f"[NO ] GRPO's lowest or top bin has no A > 0 token: {fmt_list(rose)}")
+    else:
+        gap = rose[0] - rose[3]
+        declines = "yes" if gap >= 0.05 else "NO "
+        checks.append(f"[{declines}] GRPO's top bin rose at least 0.05 less often than its lowest: "
+                      f"{fmt_list(rose)} (lowest - top {gap:+.3f})")
     for method, shares in r["figure3"]["rose"].items():
         checks.append(f"[own runs] {method} rose {fmt_list(shares)}")
     for method, d in r["figure3"]["paired"].items():
         verdict = "does not resolve"
-        if d["resolved"][3]:
+        if d["delta"][3] is None:
+            verdict = "has no top-bin token for"
+        elif d["resolved"][3]:
             verdict = "raises" if d["delta"][3] > 0 else "lowers"
         every_bin = fmt_list(d["delta"], "+.3f")
+        top = "-" if d["delta"][3] is None else f"{d['delta'][3]:+.3f}"
         checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
-                      f"{d['delta'][3]:+.3f}, p {d['p'][3]:.3f}; every bin {every_bin}")
+                      f"{top}, p {d['p'][3]:.3f}; every bin {every_bin}")
     steps = r["settings"]["steps"]
     for pair, d in r["reward_paired"].items():
         verdict = "not resolved"
@@ -1678,9 +1674,13 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
-    """Policy (checkpoint `start` or cfg.model, warmed up unless from a run), tokenizer, and the
-    frozen reference: cfg.model, not warmed up (None when beta = 0)."""
+def load_policy(cfg: Config, device: torch.device, start: Path | None = None,
+                out: Path | None = None, stop: StopOnSignal | None = None):
+    """Policy (checkpoint `start`, a stopped warm-up in `out`, or cfg.model; warmed up unless from a
+    run), tokenizer, and the frozen reference: cfg.model, not warmed up (None when beta = 0)."""
+    stopped_warm_up = out / WARM_UP_DIR if out else None
+    if start is None and stopped_warm_up and stopped_warm_up.exists():
+        start = stopped_warm_up
     source = str(start or cfg.model)
     model = load_model(source, device)
     tokenizer = load_tokenizer(source)
@@ -1690,23 +1690,44 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
         ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    if cfg.warmup_steps and not (Path(source) / "trainer_state.pt").exists():
-        warm_up(cfg, model, tokenizer, device)
+    if needs_warm_up(cfg, source):
+        warm_up(cfg, model, tokenizer, device, out=out, stop=stop)
     return model, tokenizer, ref_model
 
 
-def warm_up(cfg: Config, model, tokenizer, device: torch.device) -> None:
+def needs_warm_up(cfg: Config, source: str) -> bool:
+    """cfg.warmup_steps, unless `source` is a run's checkpoint (warmed up already)."""
+    return cfg.warmup_steps > 0 and not (Path(source) / "trainer_state.pt").exists()
+
+
+def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | None = None,
+            stop: StopOnSignal | None = None) -> None:
     """A supervised warm-up, ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B):
     cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles
-    each. AdamW whatever cfg.optimizer says: at this learning rate SGD would warm nothing."""
+    each (cycling where fewer exist). AdamW whatever cfg.optimizer says: at this learning rate SGD
+    would warm nothing. A signal (`stop`) ends it after a step, saved to out/warm-up/ for --resume;
+    a model loaded from there continues it."""
     rows = warmup_puzzles(cfg)
     lr = cfg.warmup_learning_rate
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    state_file = Path(model.name_or_path) / "warmup_state.pt"
+    done = 0
+    if state_file.exists():  # a stopped warm-up
+        state = torch.load(state_file, weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        done = state["step"]
     model.train()
-    for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
+    for step in tqdm(range(done, cfg.warmup_steps), desc="warm-up", initial=done,
+                     total=cfg.warmup_steps):
+        if stop and stop.signum:
+            save_stopped_warm_up(out, model, tokenizer, optimizer, step)
+            print(f"lopti.py train: stopped after warm-up step {step}, saved; continue with --resume",
+                  file=sys.stderr)
+            raise SystemExit(128 + stop.signum)
         pairs = []  # (prompt, target) token ids
         first = step * cfg.prompts_per_step
-        for row in rows.select(range(first, first + cfg.prompts_per_step)):
+        for i in range(first, first + cfg.prompts_per_step):
+            row = rows[i % len(rows)]
             texts = (kk_prompt(tokenizer, row["quiz"]), kk_case_analysis(row) + tokenizer.eos_token)
             pairs.append([tokenizer(text, add_special_tokens=False).input_ids for text in texts])
         L = max(len(p + t) for p, t in pairs)
@@ -1760,29 +1781,38 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl, and --report_to tensorboard's scalars (a list per pi_old bin as KEY/0..3)."""
+    """metrics.jsonl, and --report_to tensorboard's scalars (a list per pi_old bin as KEY/0..3) and
+    texts (eval/correct, eval/puzzles); a resumed run's redone steps replace their first record."""
 
-    def __init__(self, out: Path, cfg: Config):
+    def __init__(self, out: Path, cfg: Config, first_step: int = 0):
         self.path = out / "metrics.jsonl"
         self.writer = None
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+            purge_step = first_step + 1 if first_step else None  # (later events are dropped)
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
             self.writer.add_text("config", json.dumps(asdict(cfg), indent=2))
 
     def write(self, record: dict) -> None:
         append_jsonl(self.path, record)
         if self.writer is None:
             return
+        step = record["step"]
         for key, value in record.items():
             values = value if isinstance(value, list) else [value]
             numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if isinstance(value, str):
+                self.writer.add_text(key, value, global_step=step)
             if key == "step" or len(numbers) != len(values):
-                continue  # text (eval/correct, samples) and bins without a value
+                continue  # bins without a value
             for i, number in enumerate(numbers):
                 tag = f"{key}/{i}" if isinstance(value, list) else key
-                self.writer.add_scalar(tag, number, global_step=record["step"])
+                self.writer.add_scalar(tag, number, global_step=step)
         self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
@@ -1792,6 +1822,7 @@ def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
         raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else choose a new folder")
     if resume:
         saved, now = json.loads((out / "config.json").read_text()), asdict(cfg)
+        saved.pop("method", None)  # (named for the reader: method_name)
         changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in saved.items() if k not in RESUME_MAY_CHANGE and v != now.get(k)]
         if changed:
             raise ValueError(f"--resume may not change {', '.join(changed)}: start a new --output_dir")
@@ -1803,7 +1834,8 @@ def start_run_files(out: Path, cfg: Config, start: int) -> None:
     for name in ("metrics.jsonl", "samples.jsonl"):
         kept = [r for r in read_jsonl(out / name) if r["step"] <= start]
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    named = {**asdict(cfg), "method": method_name(asdict(cfg))}
+    (out / "config.json").write_text(json.dumps(named, indent=2))
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -1887,6 +1919,89 @@ class StopOnSignal:
             signal.signal(s, handler)
 
 
+WARM_UP_DIR = "warm-up"  # a stopped warm-up's model, tokenizer and warmup_state.pt
+
+
+def save_stopped_warm_up(out: Path, model, tokenizer, optimizer, step: int) -> None:
+    """out/warm-up/ after `step` warm-up steps, written as .tmp and renamed."""
+    tmp, final = out / f"{WARM_UP_DIR}.tmp", out / WARM_UP_DIR
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / "warmup_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+class Run:
+    """train's plumbing, from the first file written to the last: the folder, the data, the model
+    (warmed up, or resumed from the latest checkpoint) and optimiser, step 0's evaluation; then
+    after each step (end_step) its logs, checkpoint and evaluation, and the exit after a signal."""
+
+    def __init__(self, cfg: Config, resume: bool, stop: StopOnSignal):
+        self.cfg, self.stop = cfg, stop
+        self.out = out = Path(cfg.output_dir).expanduser()
+        check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: a run of cfg's method
+        self.device = pick_device()
+        torch.manual_seed(cfg.seed)
+        self.train_rows, self.eval_rows = load_task_data(cfg)  # a bad data file fails here
+        latest = checkpoints(out)[-1] if resume and checkpoints(out) else None
+        state = load_trainer_state(latest)  # {"step": 0} for a new run
+        self.start = state["step"]
+        if stop.signum:
+            raise SystemExit(128 + stop.signum)  # nothing written yet
+        start_run_files(out, cfg, self.start)  # config.json first: --resume can continue from here
+        self.model, self.tokenizer, self.ref_model = load_policy(cfg, self.device, latest, out=out,
+                                                                 stop=stop)
+        self.optimizer = make_optimizer(self.model, cfg)
+        restore_trainer_state(state, self.optimizer, cfg)
+        if latest is None and needs_warm_up(cfg, cfg.model):  # the warm-up is kept: checkpoint-0
+            save_checkpoint(out, self.model, self.tokenizer, optimizer=self.optimizer, step=0)
+            shutil.rmtree(out / WARM_UP_DIR, ignore_errors=True)
+        self.log = MetricsLog(out, cfg, first_step=self.start)
+        self.progress = tqdm(initial=self.start, total=cfg.steps, desc="train")
+
+    def __enter__(self):
+        try:
+            if evaluation_due(self.cfg, self.start) and not evaluated(self.out, self.start):
+                self.evaluate(self.start)  # step 0, after the warm-up; or a run stopped before it
+            self.exit_if_stopped(self.start)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.close()
+        self.log.close()
+
+    def evaluate(self, step: int) -> None:
+        accuracy = evaluate(self.model, self.tokenizer, self.eval_rows, cfg=self.cfg,
+                            device=self.device)
+        log_evaluation(self.log, step, accuracy)
+
+    def end_step(self, step: int, rows, metrics: dict) -> None:
+        check_finite(self.model, step)
+        samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
+        append_jsonl(self.out / "samples.jsonl", samples)
+        self.log.write({"step": step, "learning_rate": self.cfg.learning_rate, **metrics})
+        if checkpoint_due(self.cfg, step) or self.stop.signum:
+            save_checkpoint(self.out, self.model, self.tokenizer, optimizer=self.optimizer, step=step)
+        if evaluation_due(self.cfg, step) and not self.stop.signum:
+            self.evaluate(step)
+        self.progress.update()
+        self.exit_if_stopped(step)
+
+    def exit_if_stopped(self, step: int) -> None:
+        if not self.stop.signum:
+            return
+        if not (self.out / f"checkpoint-{step}").exists():  # the signal came during an evaluation
+            save_checkpoint(self.out, self.model, self.tokenizer, optimizer=self.optimizer, step=step)
+        print(f"lopti.py train: stopped after step {step}, saved; continue with --resume",
+              file=sys.stderr)
+        raise SystemExit(128 + self.stop.signum)
+
+
 # --- Evaluation, and RL's gain over step 0
 
 
@@ -1962,20 +2077,29 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     units = []
     result = {"model": cfg.model, "bins": BIN_NAMES}
 
-    def probe(batch: dict, logprob_fn: Callable, measure: Callable, before: Tensor) -> dict:
-        if "figure1" not in result:  # in fp32 (no autocast), as its gradients are summed in fp64
-            fp32_logprobs = functools.partial(completion_logprobs, model, temperature=cfg.temperature)
-            result["figure1"] = measure_bins(cfg.micro_batch_size, model, fp32_logprobs, batch)
-        if steps:
-            others = [m for m in methods if m != own]
-            units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure, before, others))
-        return {}
+    def logprob_fn(micro_batch: dict) -> Tensor:
+        with autocast(device):
+            return completion_logprobs(model, micro_batch, cfg.temperature)
 
     for step in range(max(steps, 1)):
         t0 = time.perf_counter()
         rows = train_rows[step_rows(len(train_rows), cfg, step)]
-        metrics = train_step(cfg, model, ref_model, tokenizer, optimizer if steps else None, rows, device, probe)
-        print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
+        batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer, rows, device)
+        model.train()
+        if "figure1" not in result:  # in fp32 (no autocast), as its gradients are summed in fp64
+            fp32_logprobs = functools.partial(completion_logprobs, model,
+                                              temperature=cfg.temperature)
+            result["figure1"] = measure_bins(cfg.micro_batch_size, model, fp32_logprobs, batch)
+        if steps:
+            measure = UpdateMeasure(cfg, model, batch, device)
+            model.train()
+            others = [m for m in methods if m != own]
+            units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure.after,
+                                       measure.before, others))
+            update_policy(cfg, logprob_fn, optimizer, batch)  # the trajectory's own update
+            metrics.update(measure.counts())
+        print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s",
+              flush=True)
         if steps:  # the JSON is rewritten after every step: a stopped run keeps its steps
             units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
             pooled = {m: pool_counts([u[m] for u in units]) for m in methods}
@@ -1996,6 +2120,54 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     return result
 
 
+def read_run(run: Path) -> tuple[dict, list[dict]]:
+    """A run folder's config.json and metrics.jsonl records."""
+    if not (run / "config.json").is_file() or not (run / "metrics.jsonl").is_file():
+        raise ValueError(f"{run} is not a folder written by lopti.py train (no config.json and "
+                         "metrics.jsonl)")
+    return json.loads((run / "config.json").read_text()), read_jsonl(run / "metrics.jsonl")
+
+
+def evaluations_by_step(records: list[dict]) -> dict[int, dict]:
+    """A run's evaluation records by step."""
+    return {r["step"]: r for r in records if "eval/correct" in r}
+
+
+EVALUATION_DRAW = ("seed", "num_people", "eval_data", "eval_size", "train_data", "num_train",
+                   "warmup_steps", "prompts_per_step")  # what decides the evaluation's puzzles
+
+
+def compare_runs(run_a: Path, run_b: Path) -> dict:
+    """Two runs' accuracies at the last step both evaluated, on the same puzzles (eval/puzzles),
+    and B's paired gain over A with McNemar's exact p."""
+    (cfg_a, records_a), (cfg_b, records_b) = read_run(run_a), read_run(run_b)
+    evals_a, evals_b = evaluations_by_step(records_a), evaluations_by_step(records_b)
+    common = sorted(set(evals_a) & set(evals_b))
+    if not common:
+        raise ValueError(f"{run_a} and {run_b} have no evaluated step in common")
+    a, b = evals_a[common[-1]], evals_b[common[-1]]
+    # The puzzles' hash, or for runs older than it the settings that draw them
+    same = a.get("eval/puzzles") == b.get("eval/puzzles")
+    if "eval/puzzles" not in a and "eval/puzzles" not in b:
+        same = all(cfg_a.get(k) == cfg_b.get(k) for k in EVALUATION_DRAW)
+    if not same:
+        raise ValueError(f"{run_a} and {run_b} evaluated different puzzles (eval/puzzles, or "
+                         f"{', '.join(EVALUATION_DRAW)}): not comparable")
+    out = {"step": common[-1], "puzzles": len(a["eval/correct"]), "runs": []}
+    for run, cfg, record in ((run_a, cfg_a, a), (run_b, cfg_b, b)):
+        out["runs"].append({"run": str(run), "method": method_name(cfg), "seed": cfg["seed"],
+                            "accuracy": record["eval/accuracy"]})
+    gain = paired_gain(a["eval/correct"], b["eval/correct"])
+    out["b_minus_a"] = {k.removeprefix("eval/"): v for k, v in gain.items()}
+    for r in out["runs"]:
+        print(f"{r['run']}: {r['method']}, seed {r['seed']}: accuracy {r['accuracy']:.3f} at step "
+              f"{out['step']} on {out['puzzles']} puzzles")
+    d = out["b_minus_a"]
+    print(f"second minus first: {d['gain']:+.3f} ({d['gained']} gained, {d['lost']} lost), "
+          f"McNemar's exact p {d['gain_p']:.3f}")
+    return out
+
+
 def plot_runs(runs: list[Path], out: Path) -> None:
     try:
         import matplotlib
@@ -2003,16 +2175,23 @@ def plot_runs(runs: list[Path], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("plot needs matplotlib: pip install matplotlib") from None
+    loaded = [read_run(run) for run in runs]
+    puzzles = {r.get("eval/puzzles") for _, records in loaded for r in records if "eval/correct" in r}
+    if len(puzzles) > 1:
+        print(f"note: these runs evaluated {len(puzzles)} different sets of puzzles (eval/puzzles): "
+              "their accuracies are not paired")
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
-    for i, run in enumerate(runs):
-        records = read_jsonl(run / "metrics.jsonl")
-        cfg = json.loads((run / "config.json").read_text())
+    for i, (run, (cfg, records)) in enumerate(zip(runs, loaded)):
+        label = f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})"
         for ax, key in zip(axes, ("reward", "format_error", "zero_std_groups", "eval/accuracy")):
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            ax.plot(*zip(*points), c=f"C{i}", label=f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})")
+            if points:
+                ax.plot(*zip(*points), c=f"C{i}", label=label)
             ax.set(title=key, xlabel="RL step")
-        constant = [(r["step"], r["eval/constant_accuracy"]) for r in records if "eval/constant_accuracy" in r]
-        axes[3].plot(*zip(*constant), c=f"C{i}", ls="--")
+        constant = [(r["step"], r["eval/constant_accuracy"]) for r in records
+                    if "eval/constant_accuracy" in r]
+        if constant:
+            axes[3].plot(*zip(*constant), c=f"C{i}", ls="--")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -2138,6 +2317,10 @@ def _parse_bool(text: str) -> bool:
     return text.lower() in ("true", "1")
 
 
+def _path(text: str) -> Path:
+    return Path(text).expanduser()
+
+
 def _field_docs() -> dict[str, str]:
     body = ast.parse(inspect.getsource(Config)).body[0].body
     docs = {}
@@ -2147,33 +2330,43 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
+TRAIN_ONLY = ("output_dir", "save_every", "report_to")  # what eval and diagnose refuse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lopti.py", description="GRPO with Advantage Reweighting and Lopti (Yang et al., "
-                     "ICLR 2026)", allow_abbrev=False)
+    parser = _Parser(prog="lopti.py", allow_abbrev=False,
+                     description="GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     toy = sub.add_parser("toy", help="Figure 3's mechanism on a toy softmax policy (CPU, seconds)")
     for f in fields(ToySettings):
         toy.add_argument(f"--{f.name}", type=type(f.default), help=f"default {f.default}")
     toy.add_argument("--quick", action="store_true", help=f"a smoke test: {TOY_QUICK}")
-    toy.add_argument("--out", type=Path, help="folder for results.json (default runs/toy/; --out toy "
-                     "rewrites the committed toy/results.json)")
+    toy.add_argument("--out", type=_path, help="folder for results.json and figures.png (default "
+                     "runs/toy/; --out toy rewrites the committed ones)")
     docs = _field_docs()
     kinds = {"float": float, "int": int, "str": str, "bool": _parse_bool}
-    commands = (("train", "GRPO (+AR, +Lopti) on Knights and Knaves"), ("eval", "greedy K&K accuracy"),
+    commands = (("train", "GRPO (+AR, +Lopti) on Knights and Knaves"),
+                ("eval", "greedy K&K accuracy"),
                 ("diagnose", "Figure 1; with an explicit --steps N, Figure 3 paired over N steps"))
     for name, what in commands:
         p = sub.add_parser(name, help=what, argument_default=argparse.SUPPRESS, allow_abbrev=False)
-        p.add_argument("--preset", choices=sorted(PRESETS), help="settings for a machine size (PRESETS)")
+        p.add_argument("--preset", choices=sorted(PRESETS), help="settings for a machine (PRESETS)")
         for f in fields(Config):
+            if name != "train" and f.name in TRAIN_ONLY:
+                continue
             p.add_argument(f"--{f.name}", type=kinds[f.type], metavar=f.type.upper(),
                            help=f"{docs[f.name]} (default {f.default!r})")
-    sub.choices["train"].add_argument("--resume", action="store_true", help="continue the run in --output_dir "
-                                      "from its latest checkpoint; flags may change only "
-                                      f"{', '.join(RESUME_MAY_CHANGE)}")
-    sub.choices["diagnose"].add_argument("--out", type=Path, default=Path("diagnose.json"), help="the JSON to write")
+    may_change = ", ".join(RESUME_MAY_CHANGE)
+    sub.choices["train"].add_argument("--resume", action="store_true", help="continue the run in "
+                                      "--output_dir from its latest checkpoint; flags may change "
+                                      f"only {may_change}")
+    sub.choices["diagnose"].add_argument("--out", type=_path, default=Path("diagnose.json"),
+                                         help="the JSON to write (default diagnose.json)")
     plot = sub.add_parser("plot", help="learning curves of runs")
-    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders written by train")
-    plot.add_argument("--out", type=Path, default=Path("plot.png"), help="the PNG (default plot.png)")
+    plot.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="folders of train")
+    plot.add_argument("--out", type=_path, default=Path("plot.png"), help="default plot.png")
+    compare = sub.add_parser("compare", help="two runs' accuracies on the same puzzles, paired")
+    compare.add_argument("runs", nargs=2, type=_path, metavar="RUN_DIR", help="folders of train")
     return parser
 
 
@@ -2182,18 +2375,38 @@ def resolve_config(args: dict) -> Config:
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     base = PRESETS[args["preset"]] if "preset" in args else {}
     if args.get("resume"):
-        out = Path({**base, **explicit}.get("output_dir", Config.output_dir))
+        out = Path({**base, **explicit}.get("output_dir", Config.output_dir)).expanduser()
         try:
             saved = json.loads((out / "config.json").read_text())
+            saved.pop("method", None)
             checked = Config(**{**saved, "report_to": "none"})  # (its logger: with the flags, below)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--resume: {out} holds no run of lopti.py ({_first_line(e)})") from e
-        base = {**asdict(checked), "report_to": saved.get("report_to", "none"), "output_dir": str(out)}
+        base = {**asdict(checked), "report_to": saved.get("report_to", "none"),
+                "output_dir": str(out)}
     return Config(**{**base, **explicit})
 
 
+def check_diagnose_out(out: Path) -> None:
+    """Before any work: a .json file that is new or an earlier diagnose's, in a writable folder."""
+    if out.suffix != ".json" or out.is_dir():
+        raise ValueError(f"--out {out} must name a .json file")
+    if out.exists():
+        try:
+            earlier = json.loads(out.read_text())
+        except (ValueError, UnicodeDecodeError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "figure1" in earlier):
+            raise ValueError(f"--out {out} exists and is not diagnose's: choose another --out")
+        print(f"replacing {out}, an earlier diagnose's output")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"--out {out}: its folder is not writable")
+
+
 def toy_main(args: argparse.Namespace) -> dict:
-    given = {f.name: getattr(args, f.name) for f in fields(ToySettings) if getattr(args, f.name, None) is not None}
+    given = {f.name: getattr(args, f.name) for f in fields(ToySettings)
+             if getattr(args, f.name, None) is not None}
     settings = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
     out = args.out or Path("runs/toy")
     threads = torch.get_num_threads()
@@ -2217,6 +2430,11 @@ def toy_main(args: argparse.Namespace) -> dict:
     return result
 
 
+OUT_OF_MEMORY = ("out of memory: lower --micro_batch_size (update and log-prob passes), "
+                 "--generation_batch_size (rollout) or --eval_batch_size; continue a run with "
+                 "--resume (README: Troubleshooting)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """A bad value or file: one line, exit 2; out of memory: one line naming the settings to lower,
     exit 1; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
@@ -2226,6 +2444,8 @@ def main(argv: list[str] | None = None) -> int:
             toy_main(args)
         elif args.command == "plot":
             plot_runs(args.runs, args.out)
+        elif args.command == "compare":
+            compare_runs(*args.runs)
         else:
             import datasets
             datasets.disable_progress_bars()
@@ -2233,21 +2453,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "train":
                 print(f"done: {train(cfg, resume=getattr(args, 'resume', False))}")
             elif args.command == "diagnose":
+                check_diagnose_out(args.out)
                 diagnose(cfg, vars(args).get("steps", 0), args.out)  # only an explicit --steps
             else:
                 device = pick_device()
+                eval_rows = load_task_data(cfg)[1]
                 model = load_model(cfg.model, device)
                 tokenizer = load_tokenizer(cfg.model)
-                eval_rows = load_task_data(cfg)[1]
                 print(json.dumps(evaluate(model, tokenizer, eval_rows, cfg, device), indent=2))
     except (ValueError, OSError) as e:  # a bad value, file or model name, or a folder not a run
         print(f"lopti.py {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError, like CPU's
-        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError))
+        if not out_of_memory and "can't allocate memory" not in str(e):
             raise
-        print(f"lopti.py {args.command}: out of memory: lower --micro_batch_size (update and log-prob passes), "
-              "--generation_batch_size (rollout) or --eval_batch_size; continue a run with --resume", file=sys.stderr)
+        print(f"lopti.py {args.command}: {OUT_OF_MEMORY}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"lopti.py {args.command}: interrupted", file=sys.stderr)

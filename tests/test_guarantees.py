@@ -222,7 +222,7 @@ def test_a_signal_during_the_step_0_evaluation_saves_the_warmed_up_model(tiny_mo
         return real_evaluate(*args, **kwargs)
 
     monkeypatch.setattr(lopti, "evaluate", evaluate_then_sigterm)
-    monkeypatch.setattr(lopti, "warm_up", lambda *a: warmed.append(1))
+    monkeypatch.setattr(lopti, "warm_up", lambda *a, **k: warmed.append(1))
     cfg = tiny_config(tiny_model_dir, out, steps=2, warmup_steps=1)
     with pytest.raises(SystemExit) as exit_:
         lopti.train(cfg)

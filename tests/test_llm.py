@@ -540,7 +540,7 @@ def test_train_evaluates_step_0_after_the_warm_up_and_before_any_rl_step(tiny_mo
     final record carries RL's paired gain over step 0."""
     fixed_rewards(monkeypatch, [1.0, 0, 0, 0, 0, 1, 0, 0])
     calls, real_step, real_evaluate = [], lopti.train_step, lopti.evaluate
-    monkeypatch.setattr(lopti, "warm_up", lambda *a: calls.append("warm_up"))
+    monkeypatch.setattr(lopti, "warm_up", lambda *a, **k: calls.append("warm_up"))
     monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append("step") or real_step(*a, **k))
 
     def evaluate(model, tokenizer, rows, *args, **kwargs):
@@ -562,7 +562,7 @@ def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, mon
     """A resumed run starts from its checkpoint: no second warm-up."""
     fixed_rewards(monkeypatch, [1.0, 0, 0, 0, 0, 1, 0, 0])
     warmed = []
-    monkeypatch.setattr(lopti, "warm_up", lambda *a: warmed.append(True))
+    monkeypatch.setattr(lopti, "warm_up", lambda *a, **k: warmed.append(True))
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=2, steps=1)
     lopti.train(cfg)
     lopti.train(dataclasses.replace(cfg, steps=2), resume=True)
@@ -573,7 +573,7 @@ def test_load_policy_checkpoints_warms_up_and_keeps_the_reference_cold(tiny_mode
     """train and diagnose share load_policy: gradient checkpointing on when asked (diagnose --preset colab/gpu
     needs it too), the warm-up on the policy only, and the reference is cfg.model before the warm-up."""
     warmed = []
-    monkeypatch.setattr(lopti, "warm_up", lambda cfg, model, *a: warmed.append(model))
+    monkeypatch.setattr(lopti, "warm_up", lambda cfg, model, *a, **k: warmed.append(model))
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=1, beta=0.01, gradient_checkpointing=True)
     model, tok, ref = lopti.load_policy(cfg, torch.device("cpu"))
     assert model.is_activation_checkpointing and warmed == [model] and ref is not model
