@@ -679,6 +679,7 @@ def check_config(cfg: Config) -> None:
                  "micro_batch_size", "num_iterations", "num_train", "max_completion_length",
                  "steps", "eval_size", "eval_batch_size", "prompts_per_step", "num_generations"):
         _require(cfg, name, getattr(cfg, name) > 0, "> 0")
+    _require(cfg, "seed", cfg.seed < 2**32, "below 2**32")
     _require(cfg, "alpha", 0 <= cfg.alpha <= 1, "in [0, 1]")
     _require(cfg, "eta", 0 < cfg.eta <= 1, "in (0, 1]")
     _require(cfg, "dual_clip", cfg.dual_clip > 1, "> 1")
@@ -690,9 +691,10 @@ def check_config(cfg: Config) -> None:
     _require(cfg, "report_to", cfg.report_to in ("none", "tensorboard"), "none or tensorboard")
     if cfg.report_to == "tensorboard":
         try:
-            import tensorboard  # (only its presence is checked)
-        except ImportError:
-            raise ValueError("--report_to tensorboard needs: pip install tensorboard") from None
+            from torch.utils.tensorboard import SummaryWriter  # (only the import is checked)
+        except Exception as e:  # missing, or too old, or a protobuf clash
+            raise ValueError("--report_to tensorboard needs a working tensorboard: pip install "
+                             f"tensorboard ({_first_line(e)})") from None
     rollout_size = cfg.prompts_per_step * cfg.num_generations
     mini = cfg.mini_batch_size
     divides = mini > 0 and rollout_size % mini == 0 and mini % cfg.micro_batch_size == 0
@@ -1419,9 +1421,10 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
     return text, "\n".join(f"({i}) {part}" for i, part in enumerate(parts, 1))
 
 
-def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0):
+def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0,
+                up_to: bool = False):
     """`n` distinct puzzles with one solution each, of num_people (int, or (lo, hi) per puzzle), in
-    the benchmark's schema."""
+    the benchmark's schema; `up_to`: fewer where fewer exist (2 people: 399)."""
     import datasets
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= KK_MAX_PEOPLE, f"num_people must lie within 2..8, got {num_people}"
@@ -1436,6 +1439,8 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
             if len(solutions) == 1:
                 break
         else:
+            if up_to:
+                break
             raise ValueError(f"only {len(rows)} distinct {k}-person puzzles found: ask for fewer")
         seen.add(statements)
         names = rng.sample(KK_NAMES, k)
@@ -1460,53 +1465,107 @@ def _as_tuples(x):
     return tuple(_as_tuples(item) for item in x) if isinstance(x, list) else x
 
 
-def _kk_row(row: dict) -> dict:
-    """A loaded row in kk_generate's schema; its statements must have exactly its solution."""
+KK_SOLUTION_LINE = re.compile(r"\((\d+)\) ([A-Za-z]+) is a (knight|knave)")  # what the reward reads
+KK_MAX_QUIZ = 20_000  # characters; an 8-person quiz has ~1,500
+
+
+def _kk_row(row) -> dict:
+    """A loaded row in kk_generate's schema, checked for what the reward needs to score it; a
+    ValueError names the field that is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object with fields, got {type(row).__name__}")
     truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # (Logic-RL's rows)
+    quiz = row.get("quiz")
     text_format = row.get("solution_text_format") or truth.get("solution_text_format")
     statements = row.get("statements") or truth.get("statements")
+    for name, value in (("quiz", quiz), ("solution_text_format", text_format),
+                        ("statements", statements)):
+        if value is None:
+            raise ValueError(f"field {name!r} is missing")
+    if not isinstance(quiz, str) or not quiz.strip():
+        raise ValueError(f"field 'quiz' must be non-empty text, got {type(quiz).__name__}")
+    if len(quiz) > KK_MAX_QUIZ:
+        raise ValueError(f"field 'quiz' has {len(quiz):,} characters (at most {KK_MAX_QUIZ:,})")
+    if not isinstance(text_format, str):
+        raise ValueError(f"field 'solution_text_format' must be text, got {type(text_format).__name__}")
+    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in text_format.split("\n")]
+    if None in lines or [int(m.group(1)) for m in lines] != list(range(1, len(lines) + 1)):
+        raise ValueError("field 'solution_text_format' must be lines '(1) NAME is a knight|knave', "
+                         f"NAME in letters A-Z (the reward reads no other), got {text_format!r}")
+    names = [m.group(2) for m in lines]
+    solution = [m.group(3) == "knight" for m in lines]
+    unnamed = [name for name in names if not re.search(rf"\b{name}\b", quiz)]
+    if len(set(names)) < len(names) or unnamed or len(names) < 2:
+        raise ValueError(f"field 'solution_text_format' must name 2 or more distinct people of the "
+                         f"quiz, got {names}")
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
         statements = repr(_as_tuples(statements))
-    if len(ast.literal_eval(statements)) > KK_MAX_PEOPLE:
-        raise ValueError(f"more than {KK_MAX_PEOPLE} people")
-    roles = kk_parse_solution(text_format)
-    names = list(roles)
-    solution = [role == "knight" for role in roles.values()]
-    if not row["quiz"] or len(names) < 2 or kk_solve(statements) != [solution]:
-        raise ValueError(f"no quiz or people, or not the statements' unique solution: {text_format!r}")
-    return {"quiz": row["quiz"], "names": names, "solution": solution, "statements": statements,
+    try:
+        parsed = ast.literal_eval(statements)
+        if len(parsed) > KK_MAX_PEOPLE:
+            raise ValueError(f"more than {KK_MAX_PEOPLE} people")
+        if len(parsed) != len(names):
+            raise ValueError(f"{len(parsed)} statements for {len(names)} people")
+        if kk_solve(statements) != [solution]:
+            raise ValueError("solution_text_format is not their unique solution")
+    except Exception as e:
+        raise ValueError(f"field 'statements': {str(e) or type(e).__name__}") from None
+    return {"quiz": quiz, "names": names, "solution": solution, "statements": statements,
             "solution_text": row.get("solution_text") or _kk_solution_texts(names, solution)[0],
             "solution_text_format": text_format, "num_people": len(names)}
+
+
+def _read_rows(path: Path) -> list:
+    """The rows of a .jsonl, .json (a list, or JSON lines) or .parquet file, read in memory."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet
+        return pyarrow.parquet.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError("the file is empty")
+    if path.suffix.lower() == ".json":
+        try:
+            rows = json.loads(text)
+            return rows if isinstance(rows, list) else [rows]
+        except json.JSONDecodeError:
+            pass  # JSON lines
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {number} is not JSON ({e.msg})") from None
+    return rows
 
 
 def kk_load(source: str) -> datasets.Dataset:
     """Checked K&K rows from a .parquet/.jsonl/.json file (the benchmark's or Logic-RL's format) or
     a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" ("K-and-K/knights-and-knaves:test/3ppl"). What
-    cannot be read is one ValueError naming it."""
+    cannot be read is one ValueError naming the file, the row (from 1) or line, and the field."""
     import datasets
-    path = Path(source)
+    path = Path(source).expanduser()
     has_file_suffix = path.suffix.lower() in (".parquet", ".jsonl", ".json")
     if path.exists() and not has_file_suffix:
         raise ValueError(f"{source!r} is not a .parquet, .jsonl or .json file")
     try:
         if has_file_suffix:
-            builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
-            ds = datasets.load_dataset(builder, data_files=str(path.expanduser()), split="train")
-        else:
+            rows = _read_rows(path)
+        else:  # a hub dataset, cached by datasets (~/.cache/huggingface/datasets)
             name, _, selection = source.partition(":")
             config, _, split = selection.rpartition("/")
-            ds = datasets.load_dataset(name, config or None, split=split or "train")
+            rows = list(datasets.load_dataset(name, config or None, split=split or "train"))
     except Exception as e:  # no file, bad JSON or parquet, no network: datasets' errors name little
-        raise ValueError(f"cannot read K&K puzzles from {source!r} ({_first_line(e)})") from e
-    rows = []
-    for i, row in enumerate(ds):
+        message = str(e) if isinstance(e, ValueError) and has_file_suffix else _first_line(e)
+        raise ValueError(f"cannot read K&K puzzles from {source!r} ({message})") from e
+    checked = []
+    for i, row in enumerate(rows, 1):
         try:
-            rows.append(_kk_row(row))
-        except Exception as e:
-            raise ValueError(f"{source!r} row {i} is not a K&K puzzle ({_first_line(e)})") from e
-    if not rows:
+            checked.append(_kk_row(row))
+        except ValueError as e:
+            raise ValueError(f"{source!r} row {i} is not a K&K puzzle: {e}") from None
+    if not checked:
         raise ValueError(f"{source!r} has no rows")
-    return datasets.Dataset.from_list(rows)
+    return datasets.Dataset.from_list(checked)
 
 
 def kk_case_analysis(row: dict) -> str:
@@ -1577,8 +1636,9 @@ def constant_accuracy(rows) -> float:
 
 
 def warmup_puzzles(cfg: Config) -> datasets.Dataset:
+    """The warm-up's puzzles, up to warmup_steps * prompts_per_step (warm_up cycles through them)."""
     return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, people_range(cfg.num_people),
-                       seed=cfg.seed + 2_000_003)
+                       seed=cfg.seed + 2_000_003, up_to=True)
 
 
 def load_task_data(cfg: Config):
@@ -1587,11 +1647,15 @@ def load_task_data(cfg: Config):
     import datasets
     lo, hi = people_range(cfg.num_people)
     if cfg.train_data == "generate":
-        train = kk_generate(cfg.num_train, (lo, hi), cfg.seed)
+        up_to = cfg.num_train == Config.num_train  # the default: all there are, where fewer exist
+        try:
+            train = kk_generate(cfg.num_train, (lo, hi), cfg.seed, up_to=up_to)
+        except ValueError as e:
+            raise ValueError(f"--num_train {cfg.num_train}, --num_people {cfg.num_people}: {e}")
     else:
         train = kk_load(cfg.train_data)
     seen = {"statements": list(train["statements"])}
-    if cfg.warmup_steps:
+    if needs_warm_up(cfg, cfg.model):
         seen["statements"] += list(warmup_puzzles(cfg)["statements"])
     if cfg.eval_data == "generate":
         sizes = [evaluation_puzzles(cfg, n, seen) for n in range(lo, hi + 1)]
@@ -1599,9 +1663,13 @@ def load_task_data(cfg: Config):
     else:
         evals = kk_load(cfg.eval_data)
     training_quizzes = set(train["quiz"])
-    evals = evals.filter(lambda row: row["quiz"] not in training_quizzes)
-    if len(evals) == 0:
+    kept = [i for i, quiz in enumerate(evals["quiz"]) if quiz not in training_quizzes]
+    if not kept:
         raise ValueError("every evaluation puzzle is also a training puzzle: use other --eval_data")
+    if len(kept) < len(evals):
+        print(f"note: {len(evals) - len(kept)} evaluation puzzles are also training puzzles: not "
+              "evaluated (eval/puzzles names the rest)")
+        evals = evals.select(kept)
     return train, evals.add_column("twin", kk_twins(evals, seen))
 
 
@@ -1617,7 +1685,10 @@ def evaluation_puzzles(cfg: Config, people: int, seen: dict) -> datasets.Dataset
         except ValueError:  # fewer puzzles of this size exist
             continue
     else:
-        pool = kk_generate(cfg.eval_size, people, seed)
+        try:
+            pool = kk_generate(cfg.eval_size, people, seed)
+        except ValueError as e:
+            raise ValueError(f"--eval_size {cfg.eval_size}, {people} people: {e}") from None
     twins = kk_twins(pool, seen)
     twin_free_first = sorted(range(len(pool)), key=twins.__getitem__)  # (a stable sort)
     return pool.select(twin_free_first[:cfg.eval_size])
@@ -1652,7 +1723,12 @@ def autocast(device: torch.device, enabled: bool = True):
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """A causal LM with SDPA attention and dropout off (it would make the first ratio != 1)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    except RuntimeError as e:  # e.g. a checkpoint whose weights do not fit its config
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+            raise
+        raise ValueError(f"cannot load the model {name} ({_first_line(e)})") from None
     text_config = model.config.get_text_config()
     scaling = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 3, Cohere, Granite
     scaled = {k: getattr(text_config, k) for k in scaling if getattr(text_config, k, None) not in (None, 1)}
@@ -2054,6 +2130,8 @@ def log_evaluation(log: MetricsLog, step: int, record: dict) -> None:
     same_puzzles = bool(step_0) and step_0[0].get("eval/puzzles") == record["eval/puzzles"]
     if step > 0 and same_puzzles:
         record.update(paired_gain(step_0[0]["eval/correct"], record["eval/correct"]))
+    elif step > 0 and step_0:
+        print(f"note: step {step} evaluated other puzzles than step 0 (eval/puzzles): no RL gain")
     log.write({"step": step, **record})
 
 

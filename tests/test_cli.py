@@ -280,7 +280,10 @@ def test_report_to_tensorboard_logs_every_record_of_metrics_jsonl_and_the_config
     for tag, step, value in expected:
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
         assert (step, pytest.approx(value)) in logged, (tag, step, value, logged)
-    assert "eval/correct" not in events.Tags()["scalars"]  # text is not a scalar
+    assert "eval/correct" not in events.Tags()["scalars"]  # text is not a scalar, but a text
+    final = [r for r in records if "eval/correct" in r][-1]
+    correct = [e for e in events.Tensors("eval/correct/text_summary") if e.step == final["step"]]
+    assert correct[0].tensor_proto.string_val[0].decode() == final["eval/correct"]
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert str(tiny_model_dir) in config_text and '"report_to": "tensorboard"' in config_text
 
@@ -288,9 +291,37 @@ def test_report_to_tensorboard_logs_every_record_of_metrics_jsonl_and_the_config
 def test_report_to_tensorboard_without_the_package_is_one_line_and_writes_nothing(tmp_path, monkeypatch,
                                                                                   capsys):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now fails
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (and an earlier import)
     out = tmp_path / "run"
     assert exit_code(["train", "--output_dir", out, "--report_to", "tensorboard"]) == 2
     one_line(capsys, "pip install tensorboard")
     assert exit_code(["train", "--output_dir", out, "--report_to", "wandb"]) == 2
     one_line(capsys, "report_to must be none or tensorboard")
     assert not out.exists()
+
+
+def test_a_resumed_tensorboard_run_logs_each_redone_step_once(tiny_model_dir, tmp_path, monkeypatch):
+    """A run killed after step 2's record but before its checkpoint: --resume redoes step 2, and TensorBoard, like
+    metrics.jsonl, holds it once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, real_save = tmp_path / "run", lopti.save_checkpoint
+    monkeypatch.setattr(lopti, "kk_rewards", varied_rewards)
+
+    def killed_at_step_2(out, model, tokenizer, optimizer, step):
+        if step == 2:
+            raise RuntimeError("killed")
+        return real_save(out, model, tokenizer, optimizer=optimizer, step=step)
+
+    monkeypatch.setattr(lopti, "save_checkpoint", killed_at_step_2)
+    argv = ["train", "--model", str(tiny_model_dir), "--output_dir", str(out), *TINY_FLAGS, "--steps", "2",
+            "--report_to", "tensorboard"]
+    with pytest.raises(RuntimeError, match="killed"):
+        lopti.main(argv)
+    monkeypatch.setattr(lopti, "save_checkpoint", real_save)
+    assert lopti.main(["train", "--resume", "--output_dir", str(out)]) == 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward")] == [1, 2]
+    assert [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl") if "reward" in r] == [1, 2]

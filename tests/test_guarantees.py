@@ -477,7 +477,7 @@ def data_file(tmp_path: Path, kind: str) -> Path:
     ("steps", "ten", "--steps"), ("lopti", "maybe", "--lopti"),
     ("preset", "huge", "--preset"), ("train_data", "not_json", "not_json.jsonl"),
     ("train_data", "thirty_people", "more than 8 people"),
-    ("train_data", "wrong_solution", "row 1"), ("eval_data", "wrong_solution", "wrong_solution.jsonl"),
+    ("train_data", "wrong_solution", "row 2"), ("eval_data", "wrong_solution", "wrong_solution.jsonl"),
     ("train_data", "missing.jsonl", "missing.jsonl")])
 def test_a_bad_value_or_data_file_is_one_line_exit_2_and_writes_nothing(flag, value, named, tiny_model_dir, tmp_path,
                                                                          capsys, monkeypatch):
@@ -515,3 +515,135 @@ def test_another_runtime_error_is_not_called_out_of_memory(tiny_model_dir, tmp_p
     monkeypatch.setattr(lopti, "update_policy", bug)
     with pytest.raises(RuntimeError, match="shapes"):
         lopti.main(train_argv(tiny_model_dir, tmp_path / "run", "--steps", "2"))
+
+
+# --- the warm-up: a signal saves it, --resume continues it
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_in_the_warm_up_saves_it_and_resume_continues_it(signum, code, tiny_model_dir, tmp_path, rewards,
+                                                                  monkeypatch, capsys, sigterm_fails):
+    """A signal during warm-up step 2 of 3: that step ends, the warm-up is saved (warm-up/), exit 128 + the signal;
+    --resume continues from step 3, and the run's steps and weights equal those of a run never stopped."""
+    straight = lopti.train(tiny_config(tiny_model_dir, tmp_path / "straight", warmup_steps=3, steps=1))
+    out, real_analysis, calls = tmp_path / "run", lopti.kk_case_analysis, []
+
+    def signal_in_step_2(row):
+        calls.append(1)
+        if len(calls) == 3:  # (2 puzzles a step)
+            os.kill(os.getpid(), signum)
+        return real_analysis(row)
+
+    monkeypatch.setattr(lopti, "kk_case_analysis", signal_in_step_2)
+    cfg = tiny_config(tiny_model_dir, out, warmup_steps=3, steps=1)
+    with pytest.raises(SystemExit) as exit_:
+        lopti.train(cfg)
+    assert exit_.value.code == code and "stopped after warm-up step 2" in capsys.readouterr().err
+    assert torch.load(out / "warm-up" / "warmup_state.pt", weights_only=True)["step"] == 2
+    assert lopti.checkpoints(out) == [] and signal.getsignal(signal.SIGTERM) is sigterm_fails
+    monkeypatch.setattr(lopti, "kk_case_analysis", real_analysis)
+    assert run_main(["train", "--resume", "--output_dir", out]) == 0
+    assert len(calls) == 4 and not (out / "warm-up").exists() and rows(out) == rows(tmp_path / "straight")
+    a, b = (lopti.load_model(str(p), CPU).state_dict() for p in (straight, lopti.checkpoints(out)[-1]))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_finished_warm_up_is_kept_as_checkpoint_0(tiny_model_dir, tmp_path, rewards, monkeypatch):
+    """Killed in RL step 1 (no checkpoint due yet): --resume starts from the warmed-up checkpoint-0, no second
+    warm-up."""
+    warmed, real_step, real_warm_up = [], lopti.train_step, lopti.warm_up
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(lopti, "warm_up", lambda *a, **k: warmed.append(1) or real_warm_up(*a, **k))
+    monkeypatch.setattr(lopti, "train_step", killed)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="killed"):
+        lopti.train(tiny_config(tiny_model_dir, out, warmup_steps=1, steps=2, save_every=0))
+    assert [p.name for p in lopti.checkpoints(out)] == ["checkpoint-0"]
+    monkeypatch.setattr(lopti, "train_step", real_step)
+    assert run_main(["train", "--resume", "--output_dir", out]) == 0 and warmed == [1]
+
+
+# --- every value and output path checked before the first file is written
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["train", "--seed", str(1_733_000_000_000_000_000)], ["seed must be below 2**32"]),
+    (["eval", "--output_dir", "x"], ["unrecognized arguments: --output_dir"]),
+    (["diagnose", "--save_every", "1"], ["unrecognized arguments: --save_every"]),
+    (["diagnose", "--out", "RUN/metrics.jsonl"], ["must name a .json file"]),
+    (["diagnose", "--out", "RUN/config.json"], ["exists and is not diagnose's"]),
+    (["diagnose", "--out", "RUN"], ["must name a .json file"]),
+    (["plot", "RUN/checkpoint-1"], ["is not a folder written by lopti.py train"]),
+    (["compare", "RUN", "RUN/checkpoint-1"], ["is not a folder written by lopti.py train"])])
+def test_a_bad_value_or_output_path_is_one_line_before_any_work(argv, words, trained_run, tmp_path, capsys,
+                                                               no_loading):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = files(run)
+    argv = [str(a).replace("RUN", str(run)) for a in argv]
+    if argv[0] == "train":
+        argv += ["--output_dir", str(tmp_path / "new")]
+    assert run_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words) and "Traceback" not in err, err
+    assert files(run) == before and not (tmp_path / "new").exists()
+
+
+def test_diagnose_replaces_only_an_earlier_diagnose_output_and_says_so(tmp_path, capsys):
+    earlier = tmp_path / "d.json"
+    earlier.write_text(json.dumps({"model": "m", "figure1": {}}))
+    lopti.check_diagnose_out(earlier)
+    assert "replacing" in capsys.readouterr().out
+    fresh = tmp_path / "new" / "d.json"
+    lopti.check_diagnose_out(fresh)
+    assert fresh.parent.is_dir() and not fresh.exists()
+
+
+def test_a_tilde_output_dir_is_the_home_folder(tiny_model_dir, tmp_path, rewards, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert run_main(train_argv(tiny_model_dir, "~/run", "--steps", "1")) == 0
+    assert (tmp_path / "home" / "run" / "checkpoint-1").is_dir() and not (tmp_path / "~").exists()
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_is_one_line(tiny_model_dir, trained_run, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(lopti.checkpoints(trained_run)[-1], ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    assert run_main(["eval", "--model", ckpt, "--num_people", "3", "--eval_size", "1", "--num_train", "4"]) == 2
+    one_line(capsys, "cannot load the model")
+
+
+# --- two runs compared on the same puzzles; config.json names the method
+
+
+def test_compare_pairs_two_runs_on_the_same_puzzles_and_refuses_others(trained_run, tmp_path, rewards, capsys,
+                                                                      tiny_model_dir):
+    grpo = tmp_path / "grpo"
+    lopti.train(tiny_config(tiny_model_dir, grpo, steps=1, alpha=0.0, lopti=False, num_iterations=2))
+    assert json.loads((grpo / "config.json").read_text())["method"] == "grpo_2_epochs"
+    assert json.loads((trained_run / "config.json").read_text())["method"] == "ar_lopti"
+    out = lopti.compare_runs(grpo, trained_run)
+    a, b = (lopti.read_jsonl(r / "metrics.jsonl")[-1] for r in (grpo, trained_run))
+    assert out["step"] == 1 and [r["method"] for r in out["runs"]] == ["grpo_2_epochs", "ar_lopti"]
+    assert out["b_minus_a"] == {k.removeprefix("eval/"): v
+                                for k, v in lopti.paired_gain(a["eval/correct"], b["eval/correct"]).items()}
+    assert "McNemar" in capsys.readouterr().out
+    other = tmp_path / "other"
+    lopti.train(tiny_config(tiny_model_dir, other, steps=1, seed=1))
+    assert run_main(["compare", grpo, other]) == 2
+    one_line(capsys, "evaluated different puzzles")
+
+
+def test_an_evaluation_on_other_puzzles_than_step_0_says_so(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    log = lopti.MetricsLog(run, lopti.Config())
+    lopti.log_evaluation(log, 0, {"eval/correct": "10", "eval/puzzles": "abc"})
+    lopti.log_evaluation(log, 5, {"eval/correct": "11", "eval/puzzles": "def"})
+    assert "evaluated other puzzles than step 0" in capsys.readouterr().out
+    assert "eval/gain" not in lopti.read_jsonl(run / "metrics.jsonl")[-1]

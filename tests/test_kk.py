@@ -440,9 +440,10 @@ def test_zero_row_parquet_names_the_file(tmp_path):
         kk_load(str(tmp_path / "zero.parquet"))
 
 
-@pytest.mark.parametrize("change", ["role flipped", "no statements", "no quiz", "a person more"])
-def test_bad_row_is_one_value_error_naming_file_and_row(tmp_path, change):
-    """Row 1 is broken, row 0 is fine: the error names the file and row 1."""
+@pytest.mark.parametrize("change,field", [("role flipped", "statements"), ("no statements", "statements"),
+                                          ("no quiz", "quiz"), ("a person more", "solution_text_format")])
+def test_bad_row_is_one_value_error_naming_file_and_row(tmp_path, change, field):
+    """Row 2 (counted from 1) is broken, rows 1 and 3 are fine: the error names the file, row 2 and the field."""
     rows = jsonl_rows()[:3]
     bad = dict(rows[1])
     if change == "role flipped":  # its statements no longer have its solution
@@ -454,7 +455,7 @@ def test_bad_row_is_one_value_error_naming_file_and_row(tmp_path, change):
     else:
         bad["solution_text_format"] += "\n(4) Zoey is a knight"
     path = _write(tmp_path / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in (rows[0], bad, rows[2])))
-    with pytest.raises(ValueError, match=r"rows\.jsonl.*row 1\b") as err:
+    with pytest.raises(ValueError, match=rf"rows\.jsonl.*row 2\b.*field '{field}'") as err:
         kk_load(str(path))
     assert "\n" not in str(err.value)
 
@@ -462,7 +463,7 @@ def test_bad_row_is_one_value_error_naming_file_and_row(tmp_path, change):
 def test_row_without_people_is_refused(tmp_path):
     row = {"quiz": "Who is who?", "statements": "()", "solution_text_format": "nobody", "solution_text": "nobody"}
     path = _write(tmp_path / "nobody.jsonl", json.dumps(row) + "\n")
-    with pytest.raises(ValueError, match=r"nobody\.jsonl.*row 0"):
+    with pytest.raises(ValueError, match=r"nobody\.jsonl.*row 1\b"):
         kk_load(str(path))
 
 
@@ -689,7 +690,7 @@ def test_an_unknown_statement_operator_is_a_row_error(tmp_path):
     row = json.loads((DATA / "3ppl_20.jsonl").read_text().splitlines()[0])
     row["statements"] = [["xor", ["telling-truth", 1], ["lying", 2]], ["lying", 0], ["telling-truth", 0]]
     (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n")
-    with pytest.raises(ValueError, match="row 0 is not a K&K puzzle.*unknown statement 'xor'"):
+    with pytest.raises(ValueError, match="row 1 is not a K&K puzzle: field 'statements': unknown statement 'xor'"):
         kk_load(str(tmp_path / "bad.jsonl"))
 
 
@@ -701,3 +702,98 @@ def test_small_presets_find_their_puzzles_and_evaluate_on_at_least_64(name):
     cfg = lopti.Config(**lopti.PRESETS[name])
     train, evals = lopti.load_task_data(cfg)
     assert len(train) == cfg.num_train and len(evals) >= 64
+
+
+# --- your own rows: every row checked at load for what the reward needs to score it
+
+
+def _renamed(row, old, new):
+    """The row with one person's name replaced everywhere (quiz, names, solution texts)."""
+    text = json.dumps(row).replace(old, new)
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("name", ["Zoë", "Mary-Jane", "Mary Ann", "Émile"])
+def test_a_name_the_reward_cannot_read_is_refused_at_load(tmp_path, name):
+    """Logic-RL's reward reads names of letters A-Z: "Zoë" would be read as "is", "Mary Ann" as "Mary", and the
+    true answer score -1 (a row that silently teaches nothing). Refused, naming the field."""
+    row = jsonl_rows()[0]
+    bad = _renamed(row, row["names"][0], name)
+    path = _write(tmp_path / "names.jsonl", json.dumps(row) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=r"names\.jsonl.*row 2\b.*field 'solution_text_format'.*A-Z"):
+        kk_load(str(path))
+    assert kk_reward(wrap(bad["solution_text_format"]), bad["solution_text_format"]) != KK_MAX_REWARD
+
+
+def test_a_person_missing_from_the_quiz_is_refused(tmp_path):
+    row = jsonl_rows()[0]
+    bad = dict(row, quiz=row["quiz"].replace(row["names"][1], "Somebody"))
+    path = _write(tmp_path / "unnamed.jsonl", json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=r"row 1\b.*field 'solution_text_format'.*people of the quiz"):
+        kk_load(str(path))
+
+
+@pytest.mark.parametrize("quiz,kind", [(7, "int"), ([{"role": "user", "content": "Who?"}], "list"),
+                                       ("x" * 20_001, "characters")])
+def test_a_quiz_of_the_wrong_type_or_size_is_refused_naming_the_field(tmp_path, quiz, kind):
+    """The second row's quiz is a number, a chat list or 20,001 characters (the first row is text): one error
+    naming row 2 and 'quiz'."""
+    rows = jsonl_rows()[:2]
+    rows[1]["quiz"] = quiz
+    path = _write(tmp_path / "quiz.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"row 2\b.*field 'quiz'.*{kind}"):
+        kk_load(str(path))
+
+
+@pytest.mark.parametrize("content,words", [("", "the file is empty"), ("  \n\n", "the file is empty"),
+                                           ("GOOD\n{oops\n", "line 2 is not JSON"),
+                                           ("[1, 2]\n", "row 1 is not a K&K puzzle: a row must be an object")])
+def test_an_empty_or_malformed_file_says_which_line(tmp_path, content, words):
+    path = _write(tmp_path / "f.jsonl", content.replace("GOOD", json.dumps(jsonl_rows()[0])))
+    with pytest.raises(ValueError, match=re.escape(words)) as err:
+        kk_load(str(path))
+    assert "f.jsonl" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_json_file_may_hold_a_list_or_json_lines(tmp_path):
+    rows = jsonl_rows()[:3]
+    listed = _write(tmp_path / "list.json", json.dumps(rows))
+    lines = _write(tmp_path / "lines.json", "".join(json.dumps(r) + "\n" for r in rows))
+    assert kk_load(str(listed)).to_list() == kk_load(str(lines)).to_list() == kk_load(str(JSONL[3])).to_list()[:3]
+
+
+def test_reading_a_data_file_leaves_nothing_in_the_datasets_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    for path in (JSONL[3], PARQUET):
+        assert len(kk_load(str(path))) > 0
+    assert not cache.exists() or not any(cache.rglob("*"))
+
+
+# --- the puzzle counts: the defaults fit the sizes asked for; a request that cannot be met names its flag
+
+
+def test_two_person_runs_train_on_every_distinct_puzzle_by_default():
+    """Only 399 distinct 2-person puzzles exist: the default num_train (4,480) takes them all, not an error."""
+    train, evals = load_task_data(Config(num_people="2", eval_size=4))
+    assert 300 < len(train) < Config.num_train and len(set(train["statements"])) == len(train) and len(evals) == 4
+
+
+def test_an_explicit_num_train_that_cannot_be_met_names_the_flag():
+    with pytest.raises(ValueError, match=r"--num_train 500, --num_people 2: only \d+ distinct 2-person"):
+        load_task_data(Config(num_people="2", num_train=500, eval_size=4))
+
+
+def test_the_warm_up_cycles_where_fewer_puzzles_exist_and_is_drawn_only_when_it_runs(tmp_path, monkeypatch):
+    """60 steps x 8 prompts = 480 warm-up puzzles of 2 people (399 exist): the draw gives what exists; a
+    checkpoint of a run (trainer_state.pt: warmed up already) draws none."""
+    cfg = Config(num_people="2", num_train=256, warmup_steps=60, prompts_per_step=8, eval_size=4, mini_batch_size=64)
+    warm = lopti.warmup_puzzles(cfg)
+    assert 300 < len(warm) < 480
+    draws = []
+    monkeypatch.setattr(lopti, "warmup_puzzles", lambda c: draws.append(c) or warm)
+    load_task_data(cfg)
+    (tmp_path / "trainer_state.pt").write_bytes(b"")
+    load_task_data(dataclasses.replace(cfg, model=str(tmp_path)))
+    assert len(draws) == 1
