@@ -301,14 +301,6 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
 # ====== The update: Algorithm 1 (one GRPO pass, or Lopti's two passes) ======
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
-    params = model.parameters()
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                             fused=True)
-
-
 def rows_with_gradient(advantages: Tensor, beta: float) -> Tensor:
     """(B,) bool: the rows with a gradient, those with A != 0, or all when beta > 0 (the KL term).
     An optimisation, not in the paper: the other rows get no pi_old, forward or backward pass, and
@@ -452,74 +444,6 @@ def update_counts(before: Tensor, after: Tensor, advantages: Tensor, mask: Tenso
             "update/neg_rose": count_per_bin(neg & rose)}
 
 
-# ====== Knights and Knaves: the paper's task, its prompt and reward (Logic-RL's) ======
-# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic) as Logic-RL ships it (the official
-# code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py, as in AR-Lopti. The
-# puzzle generator and loader are in the harness, below the first read.
-
-
-KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
-KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
-THINK_PREFIX = "<think>"  # pre-fills the assistant turn; the reward reads it as part of the text
-KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>" included
-    "You are a helpful assistant. The assistant first thinks about the reasoning process in the "
-    "mind and then provides the user with the answer. The reasoning process and answer are "
-    "enclosed within <think> </think> and<answer> </answer> tags, respectively, i.e., <think> "
-    "reasoning process here </think><answer> answer here </answer>.  Now the user asks you to "
-    "solve a logical reasoning problem. After thinking, when you finally reach a conclusion, "
-    "clearly state the identity of each character within <answer> </answer> tags. i.e., "
-    "<answer> (1) Zoey is a knight\n(2) ... </answer>.\n")
-
-
-def kk_prompt(tokenizer, quiz: str) -> str:
-    """Logic-RL's prompt, byte for byte."""
-    system = {"role": "system", "content": KK_SYSTEM_PROMPT}
-    messages = [system, {"role": "user", "content": quiz + "\n"}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text + THINK_PREFIX
-
-
-def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
-    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex."""
-    roles = {}
-    for line in solution_text_format.split("\n"):
-        match = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.IGNORECASE)
-        if match:
-            roles[match.group(1)] = match.group(2).lower()
-    return roles
-
-
-def kk_reward(completion: str, solution_text_format: str) -> float:
-    """Logic-RL's reward of a completion (with THINK_PREFIX), on its text after the first
-    "Assistant:". Format: +1 if each tag occurs once and in order, else -1 and -2 for the answer.
-    Answer: -2 unless the knight/knave words number the people and each name matches "NAME is a
-    knight|knave" (first match); else +2 if all are right, -1.5 if not. Totals: 3 correct, -0.5
-    wrong, -1 unreadable, -3 format error."""
-    text = completion.split("Assistant:", 1)[-1]
-    truth = kk_parse_solution(solution_text_format)
-    # format: each tag once, in order
-    tags = ("<think>", "</think>", "<answer>", "</answer>")
-    positions = [text.find(tag) for tag in tags]
-    if any(text.count(tag) != 1 for tag in tags) or positions != sorted(positions):
-        return KK_FORMAT_ERROR
-    # the answer
-    answer = text[positions[2] + len("<answer>"):positions[3]]
-    roles_said = answer.lower().count("knight") + answer.lower().count("knave")
-    found = {}
-    for name in truth:
-        pattern = rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b"
-        found[name] = re.search(pattern, answer, re.IGNORECASE)
-    if roles_said != len(truth) or None in found.values():
-        return -1.0
-    said = {name: match.group(1).lower() for name, match in found.items()}
-    return KK_MAX_REWARD if said == truth else -0.5
-
-
-def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
-    """Logic-RL's rewards (B,) of completions as generated after THINK_PREFIX."""
-    return torch.tensor([kk_reward(THINK_PREFIX + c, s) for c, s in zip(completions, solutions)])
-
-
 # ====== The LLM run: rollout, reward, group advantage, pi_old, update, Figure 3, on K&K ======
 
 
@@ -536,13 +460,6 @@ def lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion
     logits = out.logits[:, :-1]  # (B, C, V): the logits at position t predict token t + 1
     targets = input_ids[:, -C:]  # (B, C)
     return token_logprobs(logits, targets, temperature)  # (B, C)
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response (Qwen has two)."""
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
 
 
 def completion_mask(completions: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -1326,6 +1243,73 @@ def toy_checks(r: dict) -> list[str]:
     return checks
 
 
+# --- Knights and Knaves: the paper's task, its prompt and reward (Logic-RL's)
+# Data: the K&K benchmark (github.com/AlphaPav/mem-kk-logic) as Logic-RL ships it (the official
+# code's data/kk/instruct/); reward: Logic-RL's verl/utils/reward_score/kk.py, as in AR-Lopti.
+
+
+KK_MAX_REWARD = 3.0  # format +1 and answer +2: accuracy is the share of completions scoring this
+KK_FORMAT_ERROR = -3.0  # format -1, and the answer is not read (-2)
+THINK_PREFIX = "<think>"  # pre-fills the assistant turn; the reward reads it as part of the text
+KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>" included
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the "
+    "mind and then provides the user with the answer. The reasoning process and answer are "
+    "enclosed within <think> </think> and<answer> </answer> tags, respectively, i.e., <think> "
+    "reasoning process here </think><answer> answer here </answer>.  Now the user asks you to "
+    "solve a logical reasoning problem. After thinking, when you finally reach a conclusion, "
+    "clearly state the identity of each character within <answer> </answer> tags. i.e., "
+    "<answer> (1) Zoey is a knight\n(2) ... </answer>.\n")
+
+
+def kk_prompt(tokenizer, quiz: str) -> str:
+    """Logic-RL's prompt, byte for byte."""
+    system = {"role": "system", "content": KK_SYSTEM_PROMPT}
+    messages = [system, {"role": "user", "content": quiz + "\n"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + THINK_PREFIX
+
+
+def kk_parse_solution(solution_text_format: str) -> dict[str, str]:
+    """{name: "knight" | "knave"} from "(1) Amelia is a knight\\n(2) ...", by Logic-RL's regex."""
+    roles = {}
+    for line in solution_text_format.split("\n"):
+        match = re.search(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", line, re.IGNORECASE)
+        if match:
+            roles[match.group(1)] = match.group(2).lower()
+    return roles
+
+
+def kk_reward(completion: str, solution_text_format: str) -> float:
+    """Logic-RL's reward of a completion (with THINK_PREFIX), on its text after the first
+    "Assistant:". Format: +1 if each tag occurs once and in order, else -1 and -2 for the answer.
+    Answer: -2 unless the knight/knave words number the people and each name matches "NAME is a
+    knight|knave" (first match); else +2 if all are right, -1.5 if not. Totals: 3 correct, -0.5
+    wrong, -1 unreadable, -3 format error."""
+    text = completion.split("Assistant:", 1)[-1]
+    truth = kk_parse_solution(solution_text_format)
+    # format: each tag once, in order
+    tags = ("<think>", "</think>", "<answer>", "</answer>")
+    positions = [text.find(tag) for tag in tags]
+    if any(text.count(tag) != 1 for tag in tags) or positions != sorted(positions):
+        return KK_FORMAT_ERROR
+    # the answer
+    answer = text[positions[2] + len("<answer>"):positions[3]]
+    roles_said = answer.lower().count("knight") + answer.lower().count("knave")
+    found = {}
+    for name in truth:
+        pattern = rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b"
+        found[name] = re.search(pattern, answer, re.IGNORECASE)
+    if roles_said != len(truth) or None in found.values():
+        return -1.0
+    said = {name: match.group(1).lower() for name, match in found.items()}
+    return KK_MAX_REWARD if said == truth else -0.5
+
+
+def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
+    """Logic-RL's rewards (B,) of completions as generated after THINK_PREFIX."""
+    return torch.tensor([kk_reward(THINK_PREFIX + c, s) for c, s in zip(completions, solutions)])
+
+
 # --- K&K puzzles: the benchmark's generator and solver, Logic-RL's files
 
 KK_NAMES = tuple((  # the benchmark's 51 names
@@ -1695,6 +1679,21 @@ def evaluation_puzzles(cfg: Config, people: int, seen: dict) -> datasets.Dataset
 
 
 # --- Devices, models and the warm-up
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)
+    params = model.parameters()
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                             fused=True)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response (Qwen has two)."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
 
 
 def pick_device() -> torch.device:
