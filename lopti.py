@@ -15,8 +15,7 @@ The paper in the code, all above "A first read can stop here":
     Prop. 4.2, gradient norm ~ 1 - pi      logit_gradient_bounds (the toy checks it)
     Figure 3, A > 0 tokens that rose       update_counts (train; diagnose and the toy pair methods)
     log pi(o_t) of a language model        lm_logprobs
-    K&K, Logic-RL's prompt and reward      kk_prompt, kk_reward
-    Algorithm 1's loop                     rollout_and_score, update_and_measure, train
+    Algorithm 1's loop                     rollout_and_score, train_step, train
 
 Where this file differs from the paper's text, following the official code:
     - the loss is a token-mean over the mini-batch (the paper averages each response first), and
@@ -35,7 +34,8 @@ Not implemented: the code's neg_adv_weight (its K&K scripts pass 1.0) and quanti
 (seperate_prob = 0, unused by its scripts).
 
 Below the banner, the harness: an LM's log-probs in chunks with prefix sharing, Figures 1 and 3
-paired, the toy, puzzles, warm-up, run files, evaluation, diagnose, TRL, the command line.
+paired, the toy, the K&K task (Logic-RL's prompt and reward: kk_prompt, kk_reward; puzzles), the
+warm-up, run files, evaluation, diagnose, TRL, the command line.
 Sections: grep -n '^# [=-][=-][=-]' lopti.py.
 """
 from __future__ import annotations
@@ -403,10 +403,9 @@ def divide(total, count) -> float:
     return float(total) / max(float(count), 1.0)
 
 
-# ====== Figures 1 and 3, per pi_old bin ======
-# Bins [0,.25], (.25,.5], (.5,.75], (.75,1]. Figure 1 (measure_bins): each bin's share of a batch's
-# tokens and its gradient's norm. Figure 3 (update_counts): the share of A > 0 tokens whose
-# probability a step's own update raised.
+# ====== Figure 3, per pi_old bin ======
+# Bins [0,.25], (.25,.5], (.5,.75], (.75,1]: the share of A > 0 tokens whose probability a step's
+# own update raised (Figure 1 (a), (d), measure_bins, is below the banner).
 
 BIN_NAMES = ("[0,.25]", "(.25,.5]", "(.5,.75]", "(.75,1]")
 
@@ -539,28 +538,21 @@ def rollout_and_score(cfg: Config, model, ref_model, tokenizer, rows, device) ->
     return batch, metrics
 
 
-def update_and_measure(cfg: Config, model, optimizer, batch: dict, device) -> dict:
-    """The update (Algorithm 1) of a scored batch; with cfg.measure_update, then its Figure 3
-    (update_counts of the log-probs before and after it: UpdateMeasure)."""
-    measure = UpdateMeasure(cfg, model, batch, device)
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device) -> dict:
+    """One RL step (Algorithm 1) on K&K rows: its metrics, with Figure 3 of its update
+    (cfg.measure_update) and the first prompt's G completions ("samples")."""
+    batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer=tokenizer, rows=rows,
+                                       device=device)
+    measure = UpdateMeasure(cfg, model, batch, device)  # Figure 3's log-probs before the update
 
     def logprob_fn(micro_batch: dict) -> Tensor:  # the current policy's (b, T), with gradients
         with autocast(device):
             return completion_logprobs(model, micro_batch, cfg.temperature)
 
     model.train()  # for gradient checkpointing; dropout is off (load_model)
-    metrics = update_policy(cfg, logprob_fn, optimizer, batch)
+    metrics.update(update_policy(cfg, logprob_fn, optimizer, batch))
     if cfg.measure_update:
-        metrics.update(measure.counts())
-    return metrics
-
-
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device) -> dict:
-    """One RL step (Algorithm 1) on K&K rows: its metrics, and the first prompt's G completions
-    ("samples")."""
-    batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer=tokenizer, rows=rows,
-                                       device=device)
-    metrics.update(update_and_measure(cfg, model, optimizer, batch=batch, device=device))
+        metrics.update(measure.counts())  # update_counts of before and after
     return metrics
 
 
@@ -952,7 +944,8 @@ def sign_flip_p(differences: Tensor, resamples: int = 4000) -> Tensor:
     return as_extreme.mean(0)  # (K,)
 
 
-def paired_deltas(units: list[dict], reference: str = "grpo", resamples: int = 4000) -> dict[str, dict]:
+def paired_deltas(units: list[dict], reference: str = "grpo",
+                  resamples: int = 4000) -> dict[str, dict]:
     """Per method and bin, over units (steps, or seeds' sums) of paired_counts: its share of A > 0
     tokens that rose minus the reference's (delta), and a two-sided sign-flip test of delta = 0.
     'resolved' is p < 0.05, which 5 units never reach (p >= 2/32)."""
@@ -1003,7 +996,8 @@ class ToySettings:
                   ("target_gap", self.target_gap >= 0, ">= 0"))
         for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"toy setting {name} must be {allowed}, got {getattr(self, name)!r}")
+                value = getattr(self, name)
+                raise ValueError(f"toy setting {name} must be {allowed}, got {value!r}")
 
 
 TOY_QUICK = dict(seeds=2, steps=5)
@@ -1012,7 +1006,7 @@ TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  #
 # Rewards paired by seed: every method against GRPO and against GRPO with Lopti's two passes
 # (compute-matched), and the ablation against Lopti
 TOY_REWARD_PAIRS = (*[(m, "grpo") for m in TOY_PAIRED],
-                    *[(m, "grpo_2_epochs") for m in ("ar", "lopti", "ar_lopti", "lopti_high_first")],
+                    *[(m, "grpo_2_epochs") for m in TOY_PAIRED if m != "grpo_2_epochs"],
                     ("lopti_high_first", "lopti"))
 
 
@@ -1131,7 +1125,7 @@ def run_toy(s: ToySettings) -> dict:
         for key in figure3:
             figure3[key][method] = shares[key]
     # Rewards: each seed's per step; compared on the second half of the steps, paired by seed
-    reward = {method: [run["reward"] for run in trajectories] for method, trajectories in runs.items()}
+    reward = {m: [run["reward"] for run in trajectories] for m, trajectories in runs.items()}
     late = {m: late_reward(rewards) for m, rewards in reward.items()}  # (seeds,) each
     reward_paired = {}
     for method, reference in TOY_REWARD_PAIRS:
@@ -1164,7 +1158,7 @@ def run_toy(s: ToySettings) -> dict:
 
 
 def late_reward(rewards: list[list[float]]) -> Tensor:
-    """Each seed's mean reward over the second half of its steps (all of them for one step): (seeds,)"""
+    """Each seed's mean reward over the second half of its steps (or its one step): (seeds,)"""
     rewards = torch.tensor(rewards, dtype=torch.float64)  # (seeds, steps)
     return rewards[:, rewards.shape[1] // 2:].mean(1)
 
@@ -1313,18 +1307,21 @@ def kk_rewards(completions: list[str], solutions: list[str]) -> Tensor:
 # --- K&K puzzles: the benchmark's generator and solver, Logic-RL's files
 
 KK_NAMES = tuple((  # the benchmark's 51 names
-    "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin Amelia "
-    "Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia Logan Avery "
-    "Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley Matthew Aria "
-    "Joseph Lily Luke Aurora David Zoey Oliver Penelope"
+    "Emma Liam Olivia Noah Ava Ethan Sophia Mason Isabella William Mia James Charlotte Benjamin "
+    "Amelia Lucas Harper Henry Evelyn Alexander Abigail Michael Emily Daniel Elizabeth Jacob Sofia "
+    "Logan Avery Jackson Ella Sebastian Scarlett Jack Grace Aiden Chloe Owen Victoria Samuel Riley "
+    "Matthew Aria Joseph Lily Luke Aurora David Zoey Oliver Penelope"
 ).split())
 _KK_SAYINGS = (  # the benchmark's 18 speech templates
-    "{name} said that {content}.", "{name} told you that {content}.", '{name} said, "{content}."',
-    '{name} stated, "{content}".', 'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
-    '{name} remarked, "{content}".', '"{content}," {name} declared.', '{name} was heard saying, "{content}".',
-    "{name} expressed that {content}.", '"{content}" - {name}.', 'As {name} put it, "{content}".',
-    '{name} asserted: "{content}".', '"{content}," {name} mentioned.', '{name} commented, "{content}".',
-    'In a statement by {name}: "{content}".', '{name} noted, "{content}".', '"{content}," {name} claimed.',
+    "{name} said that {content}.", "{name} told you that {content}.",
+    '{name} said, "{content}."', '{name} stated, "{content}".',
+    'According to {name}, "{content}".', "In {name}'s words: \"{content}\".",
+    '{name} remarked, "{content}".', '"{content}," {name} declared.',
+    '{name} was heard saying, "{content}".', "{name} expressed that {content}.",
+    '"{content}" - {name}.', 'As {name} put it, "{content}".',
+    '{name} asserted: "{content}".', '"{content}," {name} mentioned.',
+    '{name} commented, "{content}".', 'In a statement by {name}: "{content}".',
+    '{name} noted, "{content}".', '"{content}," {name} claimed.',
 )
 KK_MAX_PEOPLE = 8  # a solver tries all 2^n worlds
 
@@ -1354,7 +1351,8 @@ def kk_solve(statements) -> list[list[bool]]:
     if isinstance(statements, str):
         statements = ast.literal_eval(statements)
     worlds = itertools.product((True, False), repeat=len(statements))
-    consistent = [w for w in worlds if all(_kk_true(s, w) == w[i] for i, s in enumerate(statements))]
+    consistent = [w for w in worlds
+                  if all(_kk_true(s, w) == w[i] for i, s in enumerate(statements))]
     return [list(w) for w in consistent]
 
 
@@ -1400,7 +1398,8 @@ def _kk_text(names: list[str], statement: tuple) -> str:
 
 def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str]:
     """(solution_text, solution_text_format) as the official rows write them."""
-    parts = [f"{name} is a {'knight' if knight else 'knave'}" for name, knight in zip(names, solution)]
+    roles = ["knight" if knight else "knave" for knight in solution]
+    parts = [f"{name} is a {role}" for name, role in zip(names, roles)]
     text = ", ".join(parts[:-1]) + ", and " + parts[-1] + "."
     return text, "\n".join(f"({i}) {part}" for i, part in enumerate(parts, 1))
 
@@ -1431,8 +1430,9 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
         said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_text(names, s))
                         for i, s in enumerate(statements))
         people = f"You meet {k} inhabitants: {', '.join(names[:-1])}, and {names[-1]}."
-        quiz = ("A very special island is inhabited only by knights and knaves. Knights always tell "
-                f"the truth, and knaves always lie. {people} {said} So who is a knight and who is a knave?")
+        quiz = ("A very special island is inhabited only by knights and knaves. Knights always "
+                f"tell the truth, and knaves always lie. {people} {said} So who is a knight and "
+                "who is a knave?")
         text, text_format = _kk_solution_texts(names, solutions[0])
         rows.append({"quiz": quiz, "names": names, "solution": solutions[0], "solution_text": text,
                      "solution_text_format": text_format, "statements": repr(statements),
@@ -1471,7 +1471,10 @@ def _kk_row(row) -> dict:
     if len(quiz) > KK_MAX_QUIZ:
         raise ValueError(f"field 'quiz' has {len(quiz):,} characters (at most {KK_MAX_QUIZ:,})")
     if not isinstance(text_format, str):
-        raise ValueError(f"field 'solution_text_format' must be text, got {type(text_format).__name__}")
+        kind = type(text_format).__name__
+        raise ValueError(f"field 'solution_text_format' must be text, got {kind}")
+    if len(text_format.split("\n")) > KK_MAX_PEOPLE:
+        raise ValueError(f"field 'solution_text_format' has more than {KK_MAX_PEOPLE} people")
     lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in text_format.split("\n")]
     if None in lines or [int(m.group(1)) for m in lines] != list(range(1, len(lines) + 1)):
         raise ValueError("field 'solution_text_format' must be lines '(1) NAME is a knight|knave', "
@@ -1560,9 +1563,11 @@ def kk_case_analysis(row: dict) -> str:
     names = row["names"]
     cases = []
     for world in itertools.product((True, False), repeat=len(names)):
-        roles = ", ".join(f"{name} {'knight' if knight else 'knave'}" for name, knight in zip(names, world))
+        kinds = ["knight" if knight else "knave" for knight in world]
+        roles = ", ".join(f"{name} {kind}" for name, kind in zip(names, kinds))
         truths = [_kk_true(statement, world) for statement in statements]
-        said = ", ".join(f"{name} says {'true' if true else 'false'}" for name, true in zip(names, truths))
+        says = ["true" if true else "false" for true in truths]
+        said = ", ".join(f"{name} says {say}" for name, say in zip(names, says))
         fits = truths == list(world)  # knights say true, knaves say false
         cases.append(f"{roles}: {said}: {'yes' if fits else 'no'}.")
     return f" {' '.join(cases)} </think><answer> {row['solution_text_format']} </answer>"
@@ -1620,7 +1625,7 @@ def constant_accuracy(rows) -> float:
 
 
 def warmup_puzzles(cfg: Config) -> datasets.Dataset:
-    """The warm-up's puzzles, up to warmup_steps * prompts_per_step (warm_up cycles through them)."""
+    """The warm-up's puzzles: up to warmup_steps * prompts_per_step (warm_up cycles them)."""
     return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, people_range(cfg.num_people),
                        seed=cfg.seed + 2_000_003, up_to=True)
 
@@ -1729,10 +1734,13 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
             raise
         raise ValueError(f"cannot load the model {name} ({_first_line(e)})") from None
     text_config = model.config.get_text_config()
-    scaling = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 3, Cohere, Granite
-    scaled = {k: getattr(text_config, k) for k in scaling if getattr(text_config, k, None) not in (None, 1)}
+    # Gemma 2, Cohere and Granite rescale their logits after the output layer
+    scaling = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    scaled = {k: getattr(text_config, k) for k in scaling
+              if getattr(text_config, k, None) not in (None, 1)}
     if scaled:  # sequence_logprobs applies the output layer alone
-        raise ValueError(f"{name} rescales its logits after the output layer ({scaled}): not supported")
+        raise ValueError(f"{name} rescales its logits after the output layer ({scaled}): not "
+                         "supported")
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -1796,8 +1804,8 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | Non
                      total=cfg.warmup_steps):
         if stop and stop.signum:
             save_stopped_warm_up(out, model, tokenizer, optimizer, step)
-            print(f"lopti.py train: stopped after warm-up step {step}, saved; continue with --resume",
-                  file=sys.stderr)
+            print(f"lopti.py train: stopped after warm-up step {step}, saved; continue with "
+                  "--resume", file=sys.stderr)
             raise SystemExit(128 + stop.signum)
         pairs = []  # (prompt, target) token ids
         first = step * cfg.prompts_per_step
@@ -1808,9 +1816,12 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | Non
         L = max(len(p + t) for p, t in pairs)
         C = max(len(t) for _, t in pairs)
         pad = tokenizer.pad_token_id  # left-padded, as generate() pads
-        ids = torch.tensor([[pad] * (L - len(p + t)) + p + t for p, t in pairs], device=device)  # (B, L)
-        attention = torch.tensor([[0] * (L - len(p + t)) + [1] * len(p + t) for p, t in pairs], device=device)
-        mask = torch.tensor([[0] * (C - len(t)) + [1] * len(t) for _, t in pairs], device=device)  # (B, C)
+        ids = [[pad] * (L - len(p + t)) + p + t for p, t in pairs]
+        attention = [[0] * (L - len(p + t)) + [1] * len(p + t) for p, t in pairs]
+        mask = [[0] * (C - len(t)) + [1] * len(t) for _, t in pairs]
+        ids = torch.tensor(ids, device=device)  # (B, L)
+        attention = torch.tensor(attention, device=device)  # (B, L)
+        mask = torch.tensor(mask, device=device)  # (B, C)
         with autocast(device):
             logprobs = sequence_logprobs(model, ids, attention, C, 1.0)  # (B, C)
         loss = -(logprobs * mask).sum() / mask.sum()
@@ -1835,8 +1846,8 @@ def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
 # What --resume may change. Memory settings keep the steps (up to rounding); the learning rate may
 # fall after a divergence. Not the evaluation's puzzles: the gain is paired.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
-                     "generation_batch_size", "gradient_checkpointing", "measure_update", "learning_rate",
-                     "output_dir", "report_to")
+                     "generation_batch_size", "gradient_checkpointing", "measure_update",
+                     "learning_rate", "output_dir", "report_to")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -1894,13 +1905,16 @@ def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
     """Before anything is written: a new run needs an empty or new folder, --resume a run whose
     config.json differs only in RESUME_MAY_CHANGE."""
     if not resume and out.exists() and any(out.iterdir()):
-        raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else choose a new folder")
+        raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else "
+                         "choose a new folder")
     if resume:
         saved, now = json.loads((out / "config.json").read_text()), asdict(cfg)
         saved.pop("method", None)  # (named for the reader: method_name)
-        changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in saved.items() if k not in RESUME_MAY_CHANGE and v != now.get(k)]
+        changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in saved.items()
+                   if k not in RESUME_MAY_CHANGE and v != now.get(k)]
         if changed:
-            raise ValueError(f"--resume may not change {', '.join(changed)}: start a new --output_dir")
+            raise ValueError(f"--resume may not change {', '.join(changed)}: start a new "
+                             "--output_dir")
 
 
 def start_run_files(out: Path, cfg: Config, start: int) -> None:
@@ -1927,7 +1941,8 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    state = {"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
+    state = {"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+             "cuda_rng": cuda_rng}
     torch.save(state, tmp / "trainer_state.pt")
     tmp.rename(final)
     for old in checkpoints(out)[:-1]:
@@ -1943,7 +1958,8 @@ def load_trainer_state(ckpt: Path | None) -> dict:
     try:
         return torch.load(ckpt / "trainer_state.pt", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{ckpt}/trainer_state.pt cannot be loaded safely ({_first_line(e)})") from None
+        message = f"{ckpt}/trainer_state.pt cannot be loaded safely ({_first_line(e)})"
+        raise ValueError(message) from None
 
 
 def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
@@ -1959,8 +1975,8 @@ def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
 
 def check_finite(model, step: int) -> None:
     if not all(p.isfinite().all() for p in model.parameters()):
-        raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: continue from the last "
-                         "checkpoint with --resume --learning_rate LOWER")
+        raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: continue "
+                         "from the last checkpoint with --resume --learning_rate LOWER")
 
 
 def checkpoint_due(cfg: Config, step: int) -> bool:
@@ -1972,7 +1988,8 @@ def evaluation_due(cfg: Config, step: int) -> bool:
 
 
 def evaluated(out: Path, step: int) -> bool:
-    return any("eval/accuracy" in r and r["step"] == step for r in read_jsonl(out / "metrics.jsonl"))
+    records = read_jsonl(out / "metrics.jsonl")
+    return any("eval/accuracy" in r and r["step"] == step for r in records)
 
 
 class StopOnSignal:
@@ -1980,14 +1997,16 @@ class StopOnSignal:
 
     def __enter__(self):
         self.signum = 0
-        self.previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM)
+        self.previous = {s: signal.signal(s, self.on_signal) for s in signals}
         return self
 
     def on_signal(self, signum, frame):
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving (again: abort)", flush=True)
+        name = signal.Signals(signum).name
+        print(f"\n{name}: finishing this step, then saving (again: abort)", flush=True)
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -2016,7 +2035,7 @@ class Run:
     def __init__(self, cfg: Config, resume: bool, stop: StopOnSignal):
         self.cfg, self.stop = cfg, stop
         self.out = out = Path(cfg.output_dir).expanduser()
-        check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: a run of cfg's method
+        check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: cfg's method's run
         self.device = pick_device()
         torch.manual_seed(cfg.seed)
         self.train_rows, self.eval_rows = load_task_data(cfg)  # a bad data file fails here
@@ -2031,7 +2050,7 @@ class Run:
         self.optimizer = make_optimizer(self.model, cfg)
         restore_trainer_state(state, self.optimizer, cfg)
         if latest is None and needs_warm_up(cfg, cfg.model):  # the warm-up is kept: checkpoint-0
-            save_checkpoint(out, self.model, self.tokenizer, optimizer=self.optimizer, step=0)
+            self.save(0)
             shutil.rmtree(out / WARM_UP_DIR, ignore_errors=True)
         self.log = MetricsLog(out, cfg, first_step=self.start)
         self.progress = tqdm(initial=self.start, total=cfg.steps, desc="train")
@@ -2061,17 +2080,20 @@ class Run:
         append_jsonl(self.out / "samples.jsonl", samples)
         self.log.write({"step": step, "learning_rate": self.cfg.learning_rate, **metrics})
         if checkpoint_due(self.cfg, step) or self.stop.signum:
-            save_checkpoint(self.out, self.model, self.tokenizer, optimizer=self.optimizer, step=step)
+            self.save(step)
         if evaluation_due(self.cfg, step) and not self.stop.signum:
             self.evaluate(step)
         self.progress.update()
         self.exit_if_stopped(step)
 
+    def save(self, step: int) -> None:
+        save_checkpoint(self.out, self.model, self.tokenizer, optimizer=self.optimizer, step=step)
+
     def exit_if_stopped(self, step: int) -> None:
         if not self.stop.signum:
             return
         if not (self.out / f"checkpoint-{step}").exists():  # the signal came during an evaluation
-            save_checkpoint(self.out, self.model, self.tokenizer, optimizer=self.optimizer, step=step)
+            self.save(step)
         print(f"lopti.py train: stopped after step {step}, saved; continue with --resume",
               file=sys.stderr)
         raise SystemExit(128 + self.stop.signum)
@@ -2092,7 +2114,8 @@ def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
         rewards += kk_rewards(texts, chunk["solution_text_format"]).tolist()
         sizes += chunk["num_people"]
     correct = [reward == KK_MAX_REWARD for reward in rewards]
-    out = {"eval/accuracy": sum(correct) / len(correct), "eval/constant_accuracy": constant_accuracy(rows),
+    out = {"eval/accuracy": sum(correct) / len(correct),
+           "eval/constant_accuracy": constant_accuracy(rows),
            "eval/correct": "".join("1" if c else "0" for c in correct),
            "eval/puzzles": hashlib.sha256("\n".join(rows["quiz"]).encode()).hexdigest()[:12]}
     if "twin" in rows.column_names:
@@ -2180,12 +2203,14 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
         if steps:  # the JSON is rewritten after every step: a stopped run keeps its steps
             units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
             pooled = {m: pool_counts([u[m] for u in units]) for m in methods}
-            summed = {m: {k.removeprefix("update/"): v for k, v in c.items()} for m, c in pooled.items()}
+            summed = {m: {k.removeprefix("update/"): v for k, v in c.items()}
+                      for m, c in pooled.items()}
             deltas = paired_deltas(units)
-            result["figure3_paired"] = {"steps": len(units), "delta_vs_grpo": deltas,
-                                        "delta_vs_grpo_2_epochs": paired_deltas(units, "grpo_2_epochs"),
-                                        "delta_vs_lopti": paired_deltas(units, "lopti"),
-                                        "per_step": units, "methods": summed}
+            result["figure3_paired"] = {
+                "steps": len(units), "delta_vs_grpo": deltas,
+                "delta_vs_grpo_2_epochs": paired_deltas(units, "grpo_2_epochs"),
+                "delta_vs_lopti": paired_deltas(units, "lopti"), "per_step": units,
+                "methods": summed}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     for method, counts in pooled.items() if steps else ():
@@ -2253,10 +2278,11 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     except ImportError:
         raise ValueError("plot needs matplotlib: pip install matplotlib") from None
     loaded = [read_run(run) for run in runs]
-    puzzles = {r.get("eval/puzzles") for _, records in loaded for r in records if "eval/correct" in r}
+    puzzles = {r.get("eval/puzzles") for _, records in loaded for r in records
+               if "eval/correct" in r}
     if len(puzzles) > 1:
-        print(f"note: these runs evaluated {len(puzzles)} different sets of puzzles (eval/puzzles): "
-              "their accuracies are not paired")
+        print(f"note: these runs evaluated {len(puzzles)} different sets of puzzles "
+              "(eval/puzzles): their accuracies are not paired")
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for i, (run, (cfg, records)) in enumerate(zip(runs, loaded)):
         label = f"{run.name} ({method_name(cfg)}, seed {cfg['seed']})"
@@ -2287,15 +2313,19 @@ def _lopti_grpo_trainer_class():
         doubled on a copy of `args` (max_steps counts both). Unlike update_policy, TRL steps on a
         zero gradient and divides A by std + 1e-4."""
 
-        def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti, eta=Config.eta,
-                     lopti_order=Config.lopti_order, dual_clip=Config.dual_clip, **kwargs):
-            Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order, dual_clip=dual_clip)  # checks
-            assert args.loss_type == "dapo", "LoptiGRPOTrainer's loss is the token-mean: loss_type='dapo'"
-            unapplied = {"importance_sampling_level": "token", "delta": None, "top_entropy_quantile": 1.0,
-                         "off_policy_mask_threshold": None}
+        def __init__(self, model, reward_funcs, args, *, alpha=Config.alpha, lopti=Config.lopti,
+                     eta=Config.eta, lopti_order=Config.lopti_order, dual_clip=Config.dual_clip,
+                     **kwargs):
+            Config(alpha=alpha, lopti=lopti, eta=eta, lopti_order=lopti_order,
+                   dual_clip=dual_clip)  # checks the values
+            assert args.loss_type == "dapo", \
+                "LoptiGRPOTrainer's loss is the token-mean: loss_type='dapo'"
+            unapplied = {"importance_sampling_level": "token", "delta": None,
+                         "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None}
             if args.use_vllm:
                 unapplied["vllm_importance_sampling_correction"] = False
-            ignored = {k: getattr(args, k, v) for k, v in unapplied.items() if getattr(args, k, v) != v}
+            ignored = {k: getattr(args, k, v) for k, v in unapplied.items()
+                       if getattr(args, k, v) != v}
             assert not ignored, f"LoptiGRPOTrainer's loss does not apply {ignored}"
             assert not lopti or args.steps_per_generation % args.gradient_accumulation_steps == 0, \
                 "with Lopti, steps_per_generation must be a multiple of gradient_accumulation_steps"
@@ -2338,7 +2368,8 @@ def _lopti_grpo_trainer_class():
             # batch's tokens over its optimiser steps, both stages (update_policy's, on average)
             denom = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if self.model.training:
-                denom = denom * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+                steps = self.current_gradient_accumulation_steps
+                denom = denom * steps / self.args.steps_per_generation
             logprobs = self._logps(model, inputs)  # (b, T)
             old = inputs.get("old_per_token_logps", logprobs.detach())
             loss, _ = policy_loss(logprobs, old, inputs["advantages"] * stage, stage,
@@ -2362,11 +2393,11 @@ def __getattr__(name: str):
 PRESETS: dict[str, dict] = {
     # a laptop, < 45 minutes on 2 cores: 50x the paper's learning rate, a warm-up (pure RL on K&K
     # stalls at this size: toy/README)
-    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256, steps=20,
-                prompts_per_step=4, num_generations=8, max_completion_length=160, mini_batch_size=32,
-                micro_batch_size=8, beta=0.0, learning_rate=5e-5, warmup_steps=60,
-                warmup_learning_rate=3e-4, stop_at_answer=True, eval_size=64, eval_every=10,
-                eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
+    "cpu": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", num_people="2", num_train=256,
+                steps=20, prompts_per_step=4, num_generations=8, max_completion_length=160,
+                mini_batch_size=32, micro_batch_size=8, beta=0.0, learning_rate=5e-5,
+                warmup_steps=60, warmup_learning_rate=3e-4, stop_at_answer=True, eval_size=64,
+                eval_every=10, eval_batch_size=16, save_every=10, output_dir="runs/cpu"),
     # a free Colab T4 (15 GB, fp32): the laptop's warm-up at a third of its rate, 2-3 people (a
     # 4-person case analysis is ~580 tokens). Never run on a GPU (README)
     "colab": dict(model="Qwen/Qwen2.5-0.5B-Instruct", num_people="2-3", num_train=400,
@@ -2376,9 +2407,10 @@ PRESETS: dict[str, dict] = {
                   eval_every=25, save_every=25, output_dir="runs/colab"),
     # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length. Figure 3's measurement
     # (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
-    "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128, micro_batch_size=8,
-                generation_batch_size=128, steps=150, eval_every=25, save_every=25, gradient_checkpointing=True,
-                measure_update=False, output_dir="runs/gpu"),
+    "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128,
+                micro_batch_size=8, generation_batch_size=128, steps=150, eval_every=25,
+                save_every=25, gradient_checkpointing=True, measure_update=False,
+                output_dir="runs/gpu"),
 }
 
 
@@ -2411,8 +2443,8 @@ TRAIN_ONLY = ("output_dir", "save_every", "report_to")  # what eval and diagnose
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lopti.py", allow_abbrev=False,
-                     description="GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)")
+    description = "GRPO with Advantage Reweighting and Lopti (Yang et al., ICLR 2026)"
+    parser = _Parser(prog="lopti.py", allow_abbrev=False, description=description)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     toy = sub.add_parser("toy", help="Figure 3's mechanism on a toy softmax policy (CPU, seconds)")
     for f in fields(ToySettings):
@@ -2456,7 +2488,7 @@ def resolve_config(args: dict) -> Config:
         try:
             saved = json.loads((out / "config.json").read_text())
             saved.pop("method", None)
-            checked = Config(**{**saved, "report_to": "none"})  # (its logger: with the flags, below)
+            checked = Config(**{**saved, "report_to": "none"})  # (its logger: with the flags)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--resume: {out} holds no run of lopti.py ({_first_line(e)})") from e
         base = {**asdict(checked), "report_to": saved.get("report_to", "none"),

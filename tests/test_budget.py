@@ -1,18 +1,17 @@
 """The size and shape budgets, reported as numbers so that a failure says how far over each one is.
 
-The first read (lopti.py above "A first read can stop here") holds the paper's path alone: at most 800 lines and
-45,000 characters (the goal 40,000), no line over 100 columns, and every name of the module docstring's
-paper-to-code map defined there. The whole file was held at 108,000 characters; moving the machinery out of the first
-read (functions split, named intermediates, keyword arguments) and --report_to with twin-free evaluation puzzles
-landed it at 112,900, which it may shrink below but not exceed. At most 5 % of its lines over 100 columns, no `noqa`.
-The READMEs: 9,500 and 20,000 characters."""
+The first read (lopti.py above "A first read can stop here") holds the paper's path alone: at most 600 lines and
+33,000 characters (the goal: 550 and 30,000), and every name of the module docstring's paper-to-code map defined
+there. No line of lopti.py is over 100 columns, and none has a `noqa`. The whole file's ratchet (it may shrink, never
+grow): 108,000 characters, then 112,900 when the machinery left the first read; RATCHET_NOTE says why it stands where
+it stands now. The READMEs: 11,000 and 22,000 characters."""
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_CHARS = {"lopti.py": 112_900, "README.md": 9_500, "toy/README.md": 20_000}
-FIRST_READ_LINES, FIRST_READ_CHARS = 800, 45_000
+MAX_CHARS = {"lopti.py": 112_900, "README.md": 11_000, "toy/README.md": 22_000}
+FIRST_READ_LINES, FIRST_READ_CHARS = 600, 33_000
 
 
 def first_read() -> list[str]:
@@ -32,12 +31,18 @@ def test_files_stay_within_their_character_budgets():
     assert not over, "; ".join(over)
 
 
-def test_lopti_py_has_few_wide_lines_and_no_noqa():
+def test_no_line_of_lopti_py_is_over_100_columns_and_none_has_a_noqa():
     lines = (ROOT / "lopti.py").read_text(encoding="utf-8").splitlines()
     wide = [i for i, line in enumerate(lines, 1) if len(line) > 100]
-    share = len(wide) / len(lines)
-    assert share <= 0.05, f"{len(wide)} of {len(lines)} lines ({share:.1%}) are over 100 columns, e.g. {wide[:10]}"
+    assert not wide, f"lines over 100 columns: {wide}"
     assert not [line for line in lines if "noqa" in line], "lopti.py has a noqa"
+
+
+def test_no_lambda_is_bound_to_a_name():
+    tree = ast.parse((ROOT / "lopti.py").read_text(encoding="utf-8"))
+    bound = [node.lineno for node in ast.walk(tree)
+             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)]
+    assert not bound, f"lambdas bound to names at lines {bound}"
 
 
 def test_the_first_read_is_within_its_budget():

@@ -353,6 +353,7 @@ def test_resume_of_a_tensorboard_run_without_tensorboard_is_one_line_or_turns_it
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**config, "report_to": "tensorboard"}))
     monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (and an earlier import)
     before = files(run)
     assert run_main(["train", "--resume", "--output_dir", run]) == 2
     assert "holds no run" not in one_line(capsys, "pip install tensorboard") and files(run) == before

@@ -407,7 +407,7 @@ def test_train_two_steps(tiny_model_dir, tmp_path, monkeypatch, method):
     assert all(v.isfinite().all() for v in after.values())
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 2
     assert lopti.load_tokenizer(str(ckpt)).chat_template
-    assert json.loads((out / "config.json").read_text()) == dataclasses.asdict(cfg)
+    assert json.loads((out / "config.json").read_text()) == {**dataclasses.asdict(cfg), "method": method}
 
     lines = strict_json_lines(out / "metrics.jsonl")
     assert [x["step"] for x in lines] == [0, 1, 2, 2] and "reward" not in lines[0] and "reward" not in lines[3]
