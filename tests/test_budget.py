@@ -73,3 +73,19 @@ def test_every_name_in_the_paper_to_code_map_is_defined_in_the_first_read():
     assert len(names) >= 10 and all(re.fullmatch(r"\w+", name) for name in names), names
     missing = [name for name in names if name not in defined]
     assert not missing, f"named in the map but not defined above the banner: {missing}"
+
+
+def test_import_lopti_needs_torch_and_tqdm_alone():
+    """`import lopti` and its pure functions work where datasets, transformers, trl and matplotlib are missing."""
+    import subprocess
+    import sys
+
+    blocked = ("datasets", "transformers", "trl", "matplotlib", "tensorboard", "pyarrow")
+    code = ("import sys\n"
+            f"for name in {blocked!r}:\n"
+            "    sys.modules[name] = None  # any import of it now fails\n"
+            "import torch, lopti\n"
+            "print(lopti.group_advantages(torch.tensor([1.0, 0.0]), 2)[0].item())\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert abs(float(out.stdout) - 0.5 / (0.5**0.5 + 1e-6)) < 1e-6  # (1 - mean) / (unbiased std + eps)

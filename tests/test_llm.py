@@ -578,3 +578,31 @@ def test_load_policy_checkpoints_warms_up_and_keeps_the_reference_cold(tiny_mode
     model, tok, ref = lopti.load_policy(cfg, torch.device("cpu"))
     assert model.is_activation_checkpointing and warmed == [model] and ref is not model
     assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+
+
+@pytest.mark.parametrize("arch", ["tiny_model_dir", "tiny_gpt2_dir"])
+def test_the_plain_lm_logprobs_equal_the_chunked_prefix_shared_ones(arch, request):
+    """lm_logprobs (the first read's: the model's own logits, shifted by one, at temperature T) gives the values and
+    gradients of completion_logprobs (chunked, a group's prompt run once), left padding and a shared prompt
+    included."""
+    model, tok = load(request.getfixturevalue(arch))
+    model.train()
+    completions = torch.randint(3, len(tok), (4, 5), generator=torch.Generator().manual_seed(0))
+    prompts = [p for p in ("Who is a knight?", "A very special island. Zoey said") for _ in range(2)]
+    input_ids, attention_mask = prompt_batch(tok, prompts, completions)
+    mask = torch.ones_like(completions, dtype=torch.bool)
+    weights = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    results = []
+    for logprob_fn in (lambda: lopti.lm_logprobs(model, input_ids, attention_mask, 5, 0.7),
+                       lambda: lopti.completion_logprobs(model, {"input_ids": input_ids, "mask": mask,
+                                                                 "attention_mask": attention_mask}, 0.7)):
+        model.zero_grad()
+        logprobs = logprob_fn()
+        (logprobs * weights).sum().backward()
+        results.append((logprobs.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for plain, chunked in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(plain, chunked, atol=1e-5, rtol=1e-4)
+    # the shift matters: the logits at the last position would score nothing of the completion
+    shifted = lopti.token_logprobs(model(input_ids=input_ids).logits[:, -5:], completions, 0.7)
+    assert not torch.allclose(shifted.detach(), results[0][0], atol=1e-3)

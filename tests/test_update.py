@@ -455,3 +455,37 @@ def test_a_batch_without_advantages_has_nothing_to_measure():
     assert r["grad_norm"] == {"bins": [0.0] * 4, "all": 0.0} and r["token_share"] == [None] * 4
     assert torch.equal(model.weight.detach(), weight)
     json.dumps(r, allow_nan=False)
+
+
+# --- copied out: the update's functions run in a module of their own
+
+
+COPIED = ("broadcast_to_tokens", "reweight_advantages", "lopti_masks", "policy_loss", "rows_with_gradient",
+          "lopti_stages", "update_policy", "update_pass", "divide")
+
+
+def test_the_update_copied_with_what_the_readme_names_runs_alone():
+    """The README's "Use one function" names what update_policy needs: its functions' source, `from __future__
+    import annotations`, collections, math, time, torch (Tensor, Callable) and a config object with the update's
+    fields. Copied into a fresh module, it gives the very weights lopti's does."""
+    import inspect
+    import types
+
+    source = "\n\n".join(inspect.getsource(getattr(lopti, name)) for name in COPIED)
+    header = ("from __future__ import annotations\nimport collections, math, time\nimport torch\n"
+              "from torch import Tensor\nfrom typing import Callable\n")
+    module = types.ModuleType("copied")
+    exec(compile(header + source, "copied", "exec"), module.__dict__)
+    assert "import lopti" not in source and "lopti.update" not in source  # (a NameError would show it too)
+    fields = ("alpha", "lopti", "eta", "lopti_order", "epsilon", "epsilon_high", "dual_clip", "beta",
+              "num_iterations", "mini_batch_size", "micro_batch_size", "max_grad_norm")
+    cfg = dataclasses.replace(BASE, alpha=0.3, lopti=True, beta=0.0)
+    plain = types.SimpleNamespace(**{f: getattr(cfg, f) for f in fields})
+    weight, batch = _problem(3)
+    weights = []
+    for update in (lopti.update_policy, module.update_policy):
+        w = torch.nn.Parameter(weight.clone())
+        opt = torch.optim.AdamW([w], lr=0.1)
+        update(plain, lambda mb: token_logprobs(mb["x"] @ w, mb["tokens"]), opt, batch)
+        weights.append(w.detach())
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weight)
