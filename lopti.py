@@ -1195,6 +1195,10 @@ def plot_toy(r: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def fmt_p(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p {p:.3f}"
+
+
 def fmt_list(xs: list, spec: str = ".3f") -> str:
     return " / ".join("-" if x is None else format(x, spec) for x in xs)
 
@@ -1226,14 +1230,14 @@ def toy_checks(r: dict) -> list[str]:
         every_bin = fmt_list(d["delta"], "+.3f")
         top = "-" if d["delta"][3] is None else f"{d['delta'][3]:+.3f}"
         checks.append(f"[paired] {method} {verdict} the top bin's share vs GRPO: "
-                      f"{top}, p {d['p'][3]:.3f}; every bin {every_bin}")
+                      f"{top}, {fmt_p(d['p'][3])}; every bin {every_bin}")
     steps = r["settings"]["steps"]
     for pair, d in r["reward_paired"].items():
         verdict = "not resolved"
         if d["resolved"]:
             verdict = "higher" if d["delta"] > 0 else "lower"
         checks.append(f"[reward] {pair}, steps {steps // 2 + 1}-{steps}, paired by seed: "
-                      f"{d['delta']:+.3f}, p {d['p']:.3f}: {verdict}")
+                      f"{d['delta']:+.3f}, {fmt_p(d['p'])}: {verdict}")
     return checks
 
 

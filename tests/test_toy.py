@@ -270,10 +270,12 @@ def test_toy_prints_a_reward_verdict_per_pair():
     result = {"settings": {"steps": 10}, "reward_paired": {
         "lopti - grpo": {"delta": 0.027, "p": 0.008, "resolved": True},
         "lopti - grpo_2_epochs": {"delta": -0.027, "p": 0.008, "resolved": True},
-        "ar - grpo": {"delta": 0.0, "p": 1.0, "resolved": False}},
+        "ar - grpo": {"delta": 0.0, "p": 1.0, "resolved": False},
+        "grpo_2_epochs - grpo": {"delta": 0.126, "p": 2 / 4096, "resolved": True}},
         "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]},
         "figure3": {"rose": {"grpo": [0.9, 0.9, 0.9, 0.8]}, "paired": {}}}
     lines = [line for line in lopti.toy_checks(result) if line.startswith("[reward]")]
     assert lines == ["[reward] lopti - grpo, steps 6-10, paired by seed: +0.027, p 0.008: higher",
                      "[reward] lopti - grpo_2_epochs, steps 6-10, paired by seed: -0.027, p 0.008: lower",
-                     "[reward] ar - grpo, steps 6-10, paired by seed: +0.000, p 1.000: not resolved"]
+                     "[reward] ar - grpo, steps 6-10, paired by seed: +0.000, p 1.000: not resolved",
+                     "[reward] grpo_2_epochs - grpo, steps 6-10, paired by seed: +0.126, p < 0.001: higher"]
