@@ -221,7 +221,9 @@ def test_readme_commands_parse_into_valid_configs(capsys):
 
 
 def readme_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    """The ```python blocks of README.md, then of toy/README.md (the reward and TRL examples)."""
+    texts = [(ROOT / name).read_text() for name in ("README.md", "toy/README.md")]
+    return [block for text in texts for block in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
 
 
 def test_readme_has_python_blocks():
@@ -257,7 +259,8 @@ def test_readme_python_block_runs_as_written(i, tiny_model_dir, tmp_path, monkey
                      **({} if torch.cuda.is_available() else dict(use_cpu=True)))
         monkeypatch.setattr(trl, "GRPOConfig", lambda *a, **k: real_config(*a, **{**k, **small}))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    exec(compile(block, f"README.md python block {i}", "exec"), {"__name__": "readme"})
+    monkeypatch.setattr(lopti, "kk_rewards", lopti.kk_rewards)  # (a block may replace it: restored after)
+    exec(compile(block, f"README python block {i}", "exec"), {"__name__": "readme"})
 
 
 # --- --report_to: every metrics.jsonl record also goes to TensorBoard
@@ -327,3 +330,12 @@ def test_a_resumed_tensorboard_run_logs_each_redone_step_once(tiny_model_dir, tm
     events.Reload()
     assert [e.step for e in events.Scalars("reward")] == [1, 2]
     assert [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl") if "reward" in r] == [1, 2]
+
+
+def test_the_readme_chat_line_runs_on_a_checkpoint(tiny_model_dir, monkeypatch, capsys):
+    """README's "After training" chat line (transformers' pipeline on a checkpoint), on the tiny model's folder."""
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith('python -c "'))
+    code = shlex.split(line)[2].replace("runs/cpu/checkpoint-20", str(tiny_model_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    exec(compile(code, "README chat line", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.startswith("Who is a knight?")

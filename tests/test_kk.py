@@ -797,3 +797,11 @@ def test_the_warm_up_cycles_where_fewer_puzzles_exist_and_is_drawn_only_when_it_
     (tmp_path / "trainer_state.pt").write_bytes(b"")
     load_task_data(dataclasses.replace(cfg, model=str(tmp_path)))
     assert len(draws) == 1
+
+
+def test_the_toy_readme_example_row_loads_with_its_solution(tmp_path):
+    """toy/README's "Your own rows" example: one JSON line that kk_load accepts, Zoey a knight and Ava a knave."""
+    text = (Path(__file__).resolve().parent.parent / "toy" / "README.md").read_text()
+    line = next(x.strip() for x in text.splitlines() if x.strip().startswith('{"quiz"'))
+    rows = kk_load(str(_write(tmp_path / "mine.jsonl", line + "\n")))
+    assert rows["names"] == [["Zoey", "Ava"]] and rows["solution"] == [[True, False]]
