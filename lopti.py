@@ -138,7 +138,8 @@ class Config:
     num_people: str = "3-7"
     """Puzzle sizes to generate: 'lo-hi' or one number, within 2..8."""
     num_train: int = 4480
-    """Generated training puzzles (paper: 70 steps of 64 prompts per data epoch)."""
+    """Generated training puzzles (paper: 70 steps of 64 prompts per data epoch); this default
+    takes all there are where fewer exist (2 people: 399)."""
     steps: int = 350
     """RL steps (paper: 5 data epochs)."""
     eval_data: str = "generate"
@@ -601,7 +602,7 @@ def check_config(cfg: Config) -> None:
     if cfg.report_to == "tensorboard":
         try:
             from torch.utils.tensorboard import SummaryWriter  # (only the import is checked)
-        except Exception as e:  # missing, or too old, or a protobuf clash
+        except Exception as e:  # missing, too old, or a protobuf clash
             raise ValueError("--report_to tensorboard needs a working tensorboard: pip install "
                              f"tensorboard ({_first_line(e)})") from None
     rollout_size = cfg.prompts_per_step * cfg.num_generations
@@ -636,7 +637,7 @@ def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, tempe
                     chunk_elems: int = 2**24) -> Tensor:
     """token_logprobs of head(hidden), hidden (B, T, H), in chunks of ~chunk_elems logits: the
     (B, T, V) logits never exist whole; under autograd the backward pass recomputes them."""
-    rows = max(1, chunk_elems // head.out_features)  # rows of ~chunk_elems logits
+    rows = max(1, chunk_elems // head.out_features)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
     flat_tokens = tokens.reshape(-1)  # (B*T,)
     chunks = []
@@ -693,7 +694,7 @@ def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
     attention is causal); later columns are 0."""
     C = micro["mask"].shape[1]
     columns = micro["mask"].any(0).nonzero()
-    used = int(columns[-1]) + 1 if len(columns) else 1  # up to the last response token
+    used = int(columns[-1]) + 1 if len(columns) else 1
     end = micro["input_ids"].shape[1] - C + used
     input_ids = micro["input_ids"][:, :end]
     attention_mask = micro["attention_mask"][:, :end]
@@ -788,13 +789,13 @@ def cut_at(tokenizer, completions: Tensor, mask: Tensor, stop: str) -> tuple[Ten
         at = "".join(pieces).find(stop)
         if at >= 0:
             ends = torch.tensor([len(piece) for piece in pieces]).cumsum(0)  # text length per token
-            last = int((ends < at + len(stop)).sum())  # the token that completes `stop`
+            last = int((ends < at + len(stop)).sum())
             mask[i, last + 1:] = False
             stopped[i] = True
     return mask, stopped
 
 
-# --- Figure 1 (a), (d): each pi_old bin's share of the tokens and gradient norm
+# --- Figure 1 (a), (d)
 
 
 def global_norm(tensors) -> float:
@@ -830,7 +831,7 @@ def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict
         tokens = (bin_mask & tokens_with_gradient).sum()
         share = tokens / tokens_with_gradient.sum()
         shares.append(float(share) if tokens_with_gradient.any() else None)
-    all_grads = [sum(bin_grad[k] for bin_grad in bin_grads) for k in range(len(params))]  # summed
+    all_grads = [sum(bin_grad[k] for bin_grad in bin_grads) for k in range(len(params))]
     grad_norms = {"bins": [global_norm(g) for g in bin_grads], "all": global_norm(all_grads)}
     return {"token_share": shares, "grad_norm": grad_norms}
 
@@ -956,7 +957,7 @@ def paired_deltas(units: list[dict], reference: str = "grpo",
     reference_rose = counts(reference, "pos_rose")
     out = {}
     for method in [m for m in units[0] if m != reference]:
-        d = counts(method, "pos_rose") - reference_rose  # (U, 4): rose, minus the reference's
+        d = counts(method, "pos_rose") - reference_rose  # (U, 4)
         p = sign_flip_p(d, resamples)  # (4,)
         delta = [float(v / k) if k else None for v, k in zip(d.sum(0), n.sum(0))]
         resolved = [x is not None and q < 0.05 for x, q in zip(delta, p.tolist())]
@@ -967,7 +968,7 @@ def paired_deltas(units: list[dict], reference: str = "grpo",
 # --- The toy: Figure 3's mechanism on a linear softmax policy (design: toy/README.md)
 # logits_t = weight @ x_t + bias_t over 1,024 tokens. The weight, the only one trained, is shared by
 # every context, as an LLM's output layer is; as ||x_t|| = 1, a token's gradient on it has norm
-# ||e_j - pi||: Prop. 4.2 with one layer. The first `decisions` tokens decide the reward.
+# ||e_j - pi||: Prop. 4.2 with one layer.
 
 
 @dataclass(frozen=True)
@@ -1003,8 +1004,7 @@ class ToySettings:
 TOY_QUICK = dict(seeds=2, steps=5)
 TOY_OWN_RUNS = tuple(METHODS)  # each trains its own trajectories, on the same seeds
 TOY_PAIRED = ("ar", "lopti", "ar_lopti", "grpo_2_epochs", "lopti_high_first")  # along GRPO's
-# Rewards paired by seed: every method against GRPO and against GRPO with Lopti's two passes
-# (compute-matched), and the ablation against Lopti
+# Rewards paired by seed: vs GRPO, vs grpo_2_epochs (compute-matched); the ablation vs Lopti
 TOY_REWARD_PAIRS = (*[(m, "grpo") for m in TOY_PAIRED],
                     *[(m, "grpo_2_epochs") for m in TOY_PAIRED if m != "grpo_2_epochs"],
                     ("lopti_high_first", "lopti"))
@@ -1045,7 +1045,7 @@ class ToyPolicy(torch.nn.Module):
             bias_at = torch.stack([self.bigram[prev], target], 1)  # (B, 2)
             target_bias = (self.strength[prev] - s.target_gap).clamp(min=0)  # (B,)
             if t >= s.decisions:
-                target_bias = torch.zeros_like(target_bias)  # no target past the decisions
+                target_bias = torch.zeros_like(target_bias)
             bias = torch.stack([self.strength[prev], target_bias], 1)  # (B, 2)
             uniform = torch.rand(len(prompts), s.vocab, generator=gen)  # (B, V)
             gumbel = -(-uniform.log()).log()  # argmax(logits + gumbel) samples softmax(logits)
@@ -1124,7 +1124,7 @@ def run_toy(s: ToySettings) -> dict:
         shares = figure3_shares(pool_counts([c for run in trajectories for c in run["counts"]]))
         for key in figure3:
             figure3[key][method] = shares[key]
-    # Rewards: each seed's per step; compared on the second half of the steps, paired by seed
+    # Rewards: each seed's per step; paired by seed on the second half of the steps
     reward = {m: [run["reward"] for run in trajectories] for m, trajectories in runs.items()}
     late = {m: late_reward(rewards) for m, rewards in reward.items()}  # (seeds,) each
     reward_paired = {}
@@ -1285,12 +1285,10 @@ def kk_reward(completion: str, solution_text_format: str) -> float:
     wrong, -1 unreadable, -3 format error."""
     text = completion.split("Assistant:", 1)[-1]
     truth = kk_parse_solution(solution_text_format)
-    # format: each tag once, in order
     tags = ("<think>", "</think>", "<answer>", "</answer>")
     positions = [text.find(tag) for tag in tags]
     if any(text.count(tag) != 1 for tag in tags) or positions != sorted(positions):
         return KK_FORMAT_ERROR
-    # the answer
     answer = text[positions[2] + len("<answer>"):positions[3]]
     roles_said = answer.lower().count("knight") + answer.lower().count("knave")
     found = {}
@@ -1642,12 +1640,12 @@ def load_task_data(cfg: Config):
     if cfg.train_data == "generate":
         up_to = cfg.num_train == Config.num_train  # the default: all there are, where fewer exist
         try:
-            train = kk_generate(cfg.num_train, (lo, hi), cfg.seed, up_to=up_to)
+            train_rows = kk_generate(cfg.num_train, (lo, hi), cfg.seed, up_to=up_to)
         except ValueError as e:
             raise ValueError(f"--num_train {cfg.num_train}, --num_people {cfg.num_people}: {e}")
     else:
-        train = kk_load(cfg.train_data)
-    seen = {"statements": list(train["statements"])}
+        train_rows = kk_load(cfg.train_data)
+    seen = {"statements": list(train_rows["statements"])}
     if needs_warm_up(cfg, cfg.model):
         seen["statements"] += list(warmup_puzzles(cfg)["statements"])
     if cfg.eval_data == "generate":
@@ -1655,7 +1653,7 @@ def load_task_data(cfg: Config):
         evals = datasets.concatenate_datasets(sizes)
     else:
         evals = kk_load(cfg.eval_data)
-    training_quizzes = set(train["quiz"])
+    training_quizzes = set(train_rows["quiz"])
     kept = [i for i, quiz in enumerate(evals["quiz"]) if quiz not in training_quizzes]
     if not kept:
         raise ValueError("every evaluation puzzle is also a training puzzle: use other --eval_data")
@@ -1663,7 +1661,7 @@ def load_task_data(cfg: Config):
         print(f"note: {len(evals) - len(kept)} evaluation puzzles are also training puzzles: not "
               "evaluated (eval/puzzles names the rest)")
         evals = evals.select(kept)
-    return train, evals.add_column("twin", kk_twins(evals, seen))
+    return train_rows, evals.add_column("twin", kk_twins(evals, seen))
 
 
 def evaluation_puzzles(cfg: Config, people: int, seen: dict) -> datasets.Dataset:
@@ -1799,7 +1797,7 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | Non
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     state_file = Path(model.name_or_path) / "warmup_state.pt"
     done = 0
-    if state_file.exists():  # a stopped warm-up
+    if state_file.exists():
         state = torch.load(state_file, weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         done = state["step"]
@@ -2032,19 +2030,19 @@ def save_stopped_warm_up(out: Path, model, tokenizer, optimizer, step: int) -> N
 
 
 class Run:
-    """train's plumbing, from the first file written to the last: the folder, the data, the model
-    (warmed up, or resumed from the latest checkpoint) and optimiser, step 0's evaluation; then
-    after each step (end_step) its logs, checkpoint and evaluation, and the exit after a signal."""
+    """train's plumbing: the folder, data, model (warmed up, or resumed from the latest checkpoint),
+    optimiser and step 0's evaluation; after each step (end_step) its logs, checkpoint, evaluation,
+    and the exit after a signal."""
 
     def __init__(self, cfg: Config, resume: bool, stop: StopOnSignal):
         self.cfg, self.stop = cfg, stop
         self.out = out = Path(cfg.output_dir).expanduser()
-        check_output_dir(cfg, out, resume)  # an empty or new folder; --resume: cfg's method's run
+        check_output_dir(cfg, out, resume)
         self.device = pick_device()
         torch.manual_seed(cfg.seed)
         self.train_rows, self.eval_rows = load_task_data(cfg)  # a bad data file fails here
         latest = checkpoints(out)[-1] if resume and checkpoints(out) else None
-        state = load_trainer_state(latest)  # {"step": 0} for a new run
+        state = load_trainer_state(latest)
         self.start = state["step"]
         if stop.signum:
             raise SystemExit(128 + stop.signum)  # nothing written yet
@@ -2200,7 +2198,7 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
             others = [m for m in methods if m != own]
             units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure.after,
                                        measure.before, others))
-            update_policy(cfg, logprob_fn, optimizer, batch)  # the trajectory's own update
+            update_policy(cfg, logprob_fn, optimizer, batch)
             metrics.update(measure.counts())
         print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s",
               flush=True)
@@ -2392,7 +2390,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ====== The command line: python lopti.py {toy,train,eval,diagnose,plot} [--preset NAME] ======
+# ====== The command line: lopti.py {toy,train,eval,diagnose,plot,compare} [--preset NAME] ======
 
 PRESETS: dict[str, dict] = {
     # a laptop, < 45 minutes on 2 cores: 50x the paper's learning rate, a warm-up (pure RL on K&K

@@ -648,3 +648,41 @@ def test_an_evaluation_on_other_puzzles_than_step_0_says_so(tmp_path, capsys):
     lopti.log_evaluation(log, 5, {"eval/correct": "11", "eval/puzzles": "def"})
     assert "evaluated other puzzles than step 0" in capsys.readouterr().out
     assert "eval/gain" not in lopti.read_jsonl(run / "metrics.jsonl")[-1]
+
+
+def test_config_json_is_written_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """The first file written (so an unwritable folder fails before a warm-up) is config.json, and --resume can
+    continue a run stopped while its model loads."""
+    seen = []
+
+    def load_policy(cfg, *args, **kwargs):
+        seen.append((Path(cfg.output_dir) / "config.json").exists())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(lopti, "load_policy", load_policy)
+    with pytest.raises(RuntimeError, match="stop here"):
+        lopti.train(tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=1))
+    assert seen == [True]
+
+
+def test_evaluation_puzzles_that_are_training_puzzles_are_dropped_with_a_note(tmp_path, capsys):
+    rows = lopti.kk_generate(4, 3, seed=5)
+    path = tmp_path / "both.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows.to_list()))
+    cfg = lopti.Config(train_data=str(path), eval_data=str(tmp_path / "evals.jsonl"), num_people="3")
+    (tmp_path / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                  rows.to_list()[:2] + lopti.kk_generate(3, 3, seed=6).to_list()))
+    evals = lopti.load_task_data(cfg)[1]
+    assert len(evals) == 3 and "note: 2 evaluation puzzles are also training puzzles" in capsys.readouterr().out
+
+
+def test_plot_says_when_runs_evaluated_different_puzzles(trained_run, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    other = shutil.copytree(trained_run, tmp_path / "other")
+    records = lopti.read_jsonl(other / "metrics.jsonl")
+    (other / "metrics.jsonl").write_text("".join(json.dumps({**r, "eval/puzzles": "elsewhere"} if "eval/correct" in r
+                                                            else r) + "\n" for r in records))
+    lopti.plot_runs([trained_run, other], tmp_path / "p.png")
+    assert "evaluated 2 different sets of puzzles" in capsys.readouterr().out
+    lopti.plot_runs([trained_run, trained_run], tmp_path / "q.png")
+    assert "different sets" not in capsys.readouterr().out
