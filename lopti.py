@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -1112,12 +1113,20 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
     return out
 
 
-def run_toy(s: ToySettings) -> dict:
-    """Every part of the toy; a pure function of `s` (with torch's threads fixed)."""
-    runs = {}
-    for method in TOY_OWN_RUNS:
-        paired = TOY_PAIRED if method == "grpo" else ()
-        runs[method] = [toy_trajectory(s, method, s.seed + i, paired) for i in range(s.seeds)]
+def run_toy(s: ToySettings, workers: int = 1) -> dict:
+    """Every part of the toy; a pure function of `s` (with torch's threads fixed to one, also in
+    each of `workers` processes, which share out the trajectories)."""
+    methods = [method for method in TOY_OWN_RUNS for _ in range(s.seeds)]
+    seeds = [s.seed + i for _ in TOY_OWN_RUNS for i in range(s.seeds)]
+    paired = [TOY_PAIRED if method == "grpo" else () for method in methods]
+    if workers > 1:
+        pool = concurrent.futures.ProcessPoolExecutor(workers, initializer=torch.set_num_threads,
+                                                      initargs=(1,))
+        with pool:
+            trajectories = list(pool.map(toy_trajectory, [s] * len(methods), methods, seeds, paired))
+    else:
+        trajectories = list(map(toy_trajectory, [s] * len(methods), methods, seeds, paired))
+    runs = {m: trajectories[k * s.seeds:(k + 1) * s.seeds] for k, m in enumerate(TOY_OWN_RUNS)}
     # Figure 3 of each method's own runs, their steps pooled
     figure3 = {"rose": {}, "rose_of_moved": {}, "ties": {}}
     for method, trajectories in runs.items():
@@ -2524,7 +2533,7 @@ def toy_main(args: argparse.Namespace) -> dict:
     t0 = time.time()
     torch.set_num_threads(1)  # faster for small matrices; the same float sums on every machine
     try:
-        result = run_toy(settings)
+        result = run_toy(settings, workers=min(2, os.cpu_count() or 1))
     finally:
         torch.set_num_threads(threads)
     result["checks"] = toy_checks(result)

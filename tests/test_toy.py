@@ -223,7 +223,7 @@ def test_the_toy_writes_runs_toy_unless_out_says_otherwise(monkeypatch, tmp_path
     seen = []
     fake = {"figure3": {"rose": {"grpo": [0.5] * 4}, "paired": {}}, "settings": {"steps": 1}, "reward_paired": {},
             "prop_4_2": {"tokens": 1, "within": 1, "norm_over_rest": [1.0, 1.0]}}
-    monkeypatch.setattr(lopti, "run_toy", lambda s: seen.append(s) or json.loads(json.dumps(fake)))
+    monkeypatch.setattr(lopti, "run_toy", lambda s, **k: seen.append(s) or json.loads(json.dumps(fake)))
     monkeypatch.setattr(lopti, "plot_toy", lambda result, out: out.write_bytes(b""))
     for argv, folder, settings in ((["--quick"], "runs/toy", ToySettings(**lopti.TOY_QUICK)),
                                    (["--seed", "3"], "runs/toy", ToySettings(seed=3)), ([], "runs/toy", ToySettings()),
@@ -290,3 +290,8 @@ def test_a_setting_that_leaves_a_bin_empty_prints_and_draws_without_a_traceback(
     assert "[NO ] GRPO's lowest or top bin has no A > 0 token" in out
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "figures.png").exists()
+
+
+def test_two_worker_processes_give_the_results_of_one(small_run):
+    """`lopti.py toy` shares the trajectories out to 2 processes: the results are those of one, to every digit."""
+    assert json.dumps(run_toy(SMALL, workers=2)) == json.dumps(small_run)
