@@ -1117,15 +1117,16 @@ def run_toy(s: ToySettings, workers: int = 1) -> dict:
     """Every part of the toy; a pure function of `s` (with torch's threads fixed to one, also in
     each of `workers` processes, which share out the trajectories)."""
     methods = [method for method in TOY_OWN_RUNS for _ in range(s.seeds)]
+    settings = [s] * len(methods)
     seeds = [s.seed + i for _ in TOY_OWN_RUNS for i in range(s.seeds)]
     paired = [TOY_PAIRED if method == "grpo" else () for method in methods]
     if workers > 1:
         pool = concurrent.futures.ProcessPoolExecutor(workers, initializer=torch.set_num_threads,
                                                       initargs=(1,))
         with pool:
-            trajectories = list(pool.map(toy_trajectory, [s] * len(methods), methods, seeds, paired))
+            trajectories = list(pool.map(toy_trajectory, settings, methods, seeds, paired))
     else:
-        trajectories = list(map(toy_trajectory, [s] * len(methods), methods, seeds, paired))
+        trajectories = list(map(toy_trajectory, settings, methods, seeds, paired))
     runs = {m: trajectories[k * s.seeds:(k + 1) * s.seeds] for k, m in enumerate(TOY_OWN_RUNS)}
     # Figure 3 of each method's own runs, their steps pooled
     figure3 = {"rose": {}, "rose_of_moved": {}, "ties": {}}
