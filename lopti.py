@@ -1342,6 +1342,8 @@ def _kk_true(statement: tuple, world: tuple[bool, ...]) -> bool:
     """Truth of e.g. ("and", ("lying", 0), ("telling-truth", 2)) in a world (True = knight)."""
     op, *args = statement
     if op in ("telling-truth", "lying"):
+        if not 0 <= args[0] < len(world):
+            raise ValueError(f"person {args[0]} is not one of 0..{len(world) - 1}")
         return world[args[0]] == (op == "telling-truth")
     values = [_kk_true(arg, world) for arg in args]
     if op == "and":
@@ -1470,7 +1472,11 @@ def _kk_row(row) -> dict:
     ValueError names the field that is wrong."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object with fields, got {type(row).__name__}")
-    truth = (row.get("reward_model") or {}).get("ground_truth") or {}  # (Logic-RL's rows)
+    reward_model = row.get("reward_model") or {}  # (Logic-RL's rows)
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else "?"
+    truth = truth or {}
+    if not isinstance(truth, dict):
+        raise ValueError("field 'reward_model' must be an object with a 'ground_truth' object")
     quiz = row.get("quiz")
     text_format = row.get("solution_text_format") or truth.get("solution_text_format")
     statements = row.get("statements") or truth.get("statements")
@@ -1509,9 +1515,12 @@ def _kk_row(row) -> dict:
             raise ValueError("solution_text_format is not their unique solution")
     except Exception as e:
         raise ValueError(f"field 'statements': {str(e) or type(e).__name__}") from None
+    solution_text = row.get("solution_text")
+    if not isinstance(solution_text, str) or not solution_text:
+        solution_text = _kk_solution_texts(names, solution)[0]
     return {"quiz": quiz, "names": names, "solution": solution, "statements": statements,
-            "solution_text": row.get("solution_text") or _kk_solution_texts(names, solution)[0],
-            "solution_text_format": text_format, "num_people": len(names)}
+            "solution_text": solution_text, "solution_text_format": text_format,
+            "num_people": len(names)}
 
 
 def _read_rows(path: Path) -> list:
@@ -1656,7 +1665,7 @@ def load_task_data(cfg: Config):
     else:
         train_rows = kk_load(cfg.train_data)
     seen = {"statements": list(train_rows["statements"])}
-    if needs_warm_up(cfg, cfg.model):
+    if cfg.warmup_steps:  # (also for a checkpoint: its evaluation is then the run's own)
         seen["statements"] += list(warmup_puzzles(cfg)["statements"])
     if cfg.eval_data == "generate":
         sizes = [evaluation_puzzles(cfg, n, seen) for n in range(lo, hi + 1)]
@@ -1807,8 +1816,8 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | Non
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     state_file = Path(model.name_or_path) / "warmup_state.pt"
     done = 0
-    if state_file.exists():
-        state = torch.load(state_file, weights_only=True)
+    if state_file.exists():  # a stopped warm-up's
+        state = load_trainer_state(state_file.parent, state_file.name)
         optimizer.load_state_dict(state["optimizer"])
         done = state["step"]
     model.train()
@@ -1887,7 +1896,7 @@ class MetricsLog:
         self.writer = None
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
-            purge_step = first_step + 1 if first_step else None  # (later events are dropped)
+            purge_step = first_step + 1  # a resumed run's later events are dropped
             self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
             self.writer.add_text("config", json.dumps(asdict(cfg), indent=2))
 
@@ -1913,9 +1922,20 @@ class MetricsLog:
             self.writer.close()
 
 
+def not_started(out: Path) -> bool:
+    """A run's folder that holds only its config.json and empty logs (its model never loaded): a
+    new run or --resume may start it again, with any settings."""
+    names = {p.name for p in out.iterdir()}
+    logs_empty = not read_jsonl(out / "metrics.jsonl") and not read_jsonl(out / "samples.jsonl")
+    return "config.json" in names and names <= {"config.json", "metrics.jsonl",
+                                                 "samples.jsonl"} and logs_empty
+
+
 def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
     """Before anything is written: a new run needs an empty or new folder, --resume a run whose
     config.json differs only in RESUME_MAY_CHANGE."""
+    if out.exists() and any(out.iterdir()) and not_started(out):
+        return
     if not resume and out.exists() and any(out.iterdir()):
         raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else "
                          "choose a new folder")
@@ -1962,15 +1982,15 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
     return final
 
 
-def load_trainer_state(ckpt: Path | None) -> dict:
-    """`ckpt`'s step, optimiser and RNG states ({"step": 0} if None); a pickle that would run code
-    is refused."""
+def load_trainer_state(ckpt: Path | None, name: str = "trainer_state.pt") -> dict:
+    """`ckpt`'s step, optimiser and RNG states ({"step": 0} if None), or another such file of it; a
+    pickle that would run code is refused."""
     if ckpt is None:
         return {"step": 0}
     try:
-        return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        return torch.load(ckpt / name, weights_only=True)
     except pickle.UnpicklingError as e:
-        message = f"{ckpt}/trainer_state.pt cannot be loaded safely ({_first_line(e)})"
+        message = f"{ckpt}/{name} cannot be loaded safely ({_first_line(e)})"
         raise ValueError(message) from None
 
 
@@ -2035,8 +2055,11 @@ def save_stopped_warm_up(out: Path, model, tokenizer, optimizer, step: int) -> N
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / "warmup_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
+    old = out / f"{WARM_UP_DIR}.old"
+    if final.exists():
+        final.rename(old)
     tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class Run:
@@ -2063,13 +2086,14 @@ class Run:
         restore_trainer_state(state, self.optimizer, cfg)
         if latest is None and needs_warm_up(cfg, cfg.model):  # the warm-up is kept: checkpoint-0
             self.save(0)
-            shutil.rmtree(out / WARM_UP_DIR, ignore_errors=True)
+        shutil.rmtree(out / WARM_UP_DIR, ignore_errors=True)  # a checkpoint holds it now
         self.log = MetricsLog(out, cfg, first_step=self.start)
         self.progress = tqdm(initial=self.start, total=cfg.steps, desc="train")
 
     def __enter__(self):
         try:
-            if evaluation_due(self.cfg, self.start) and not evaluated(self.out, self.start):
+            due = evaluation_due(self.cfg, self.start) and not evaluated(self.out, self.start)
+            if due and not self.stop.signum:
                 self.evaluate(self.start)  # step 0, after the warm-up; or a run stopped before it
             self.exit_if_stopped(self.start)
         except BaseException:
@@ -2521,8 +2545,8 @@ def check_diagnose_out(out: Path) -> None:
             raise ValueError(f"--out {out} exists and is not diagnose's: choose another --out")
         print(f"replacing {out}, an earlier diagnose's output")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(out.parent, os.W_OK):
-        raise ValueError(f"--out {out}: its folder is not writable")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out {out} is not writable")
 
 
 def toy_main(args: argparse.Namespace) -> dict:

@@ -5,17 +5,18 @@ The first read (lopti.py above "A first read can stop here") holds the paper's p
 there. No line of lopti.py is over 100 columns, and none has a `noqa`. The READMEs: 11,000 and 22,000 characters.
 
 The whole file's ratchet may shrink, never grow, except where honest work cannot fit, said here: 108,000 characters;
-112,900 when the machinery left the first read; 133,700 for issues 45-48 (about +20.8k: every method's rewards paired
-in the toy and its figures, 3.6k; `compare`, run folders read and checked, 3k; Run, whose signal handling covers the
-warm-up, saved and resumed, 5k; own rows checked field by field and read in memory, the puzzle-count trap, 3.5k;
-lm_logprobs, the differences list, UpdateMeasure, 3.5k; every line within 100 columns, 1k; less 0.6k of prose). What
-remains below the banner is code that those features use; cutting it means cutting a feature."""
+112,900 when the machinery left the first read; 135,100 for issues 45-48 (about +22k: every method's rewards paired
+in the toy, its figures and 2 processes, 4k; `compare`, run folders read and checked, 3k; Run, whose signal handling
+covers the warm-up, saved and resumed, and a run whose model never loaded restartable, 6k; own rows checked field by
+field and read in memory, the puzzle-count trap, 4k; lm_logprobs, the differences list, UpdateMeasure, 3.5k; every
+line within 100 columns, 1k; less 0.6k of prose). What remains below the banner is code that those features use;
+cutting it means cutting a feature."""
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_CHARS = {"lopti.py": 133_700, "README.md": 11_000, "toy/README.md": 22_000}
+MAX_CHARS = {"lopti.py": 135_100, "README.md": 11_000, "toy/README.md": 22_000}
 FIRST_READ_LINES, FIRST_READ_CHARS = 600, 33_000
 
 

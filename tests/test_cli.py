@@ -339,3 +339,19 @@ def test_the_readme_chat_line_runs_on_a_checkpoint(tiny_model_dir, monkeypatch, 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     exec(compile(code, "README chat line", "exec"), {"__name__": "readme"})
     assert capsys.readouterr().out.startswith("Who is a knight?")
+
+
+def test_a_tensorboard_run_resumed_from_checkpoint_0_logs_each_step_once(tmp_path):
+    """A crash after the warm-up's checkpoint-0 and a few logged steps: the resumed run's steps replace them."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = Config(report_to="tensorboard")
+    for first_step, steps in ((0, (0, 1, 2, 3)), (0, (1, 2, 3))):  # the run, then its resume from checkpoint-0
+        log = lopti.MetricsLog(tmp_path, cfg, first_step=first_step)
+        for step in steps:
+            log.write({"step": step, "reward": float(step)})
+        log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward")] == [0, 1, 2, 3]

@@ -686,3 +686,45 @@ def test_plot_says_when_runs_evaluated_different_puzzles(trained_run, tmp_path, 
     assert "evaluated 2 different sets of puzzles" in capsys.readouterr().out
     lopti.plot_runs([trained_run, trained_run], tmp_path / "q.png")
     assert "different sets" not in capsys.readouterr().out
+
+
+def test_a_run_whose_model_did_not_load_can_be_started_again(tiny_model_dir, tmp_path, rewards, capsys):
+    """A typo in --model: one line, and the folder (config.json, empty logs) does not block the corrected command,
+    nor a --resume with the corrected model."""
+    for again in (train_argv(tiny_model_dir, tmp_path / "new", "--steps", "1"),
+                  ["train", "--resume", "--output_dir", tmp_path / "resumed", "--model", tiny_model_dir]):
+        out = Path(again[again.index("--output_dir") + 1])
+        assert run_main(train_argv(tmp_path / "no-such-model", out, "--steps", "1")) == 2
+        assert (out / "config.json").exists() and lopti.not_started(out)
+        capsys.readouterr()
+        assert run_main(again) == 0 and [p.name for p in lopti.checkpoints(out)] == ["checkpoint-1"]
+
+
+def test_a_signal_while_the_model_loads_saves_without_evaluating(tiny_model_dir, tmp_path, rewards, monkeypatch,
+                                                               sigterm_fails):
+    """SIGTERM while the model loads (no warm-up): no step-0 evaluation is started; checkpoint-0 is saved, exit 143,
+    and --resume evaluates step 0 and goes on."""
+    real_load, evaluations = lopti.load_policy, []
+
+    def load_then_sigterm(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return loaded
+
+    monkeypatch.setattr(lopti, "load_policy", load_then_sigterm)
+    real_evaluate = lopti.evaluate
+    monkeypatch.setattr(lopti, "evaluate", lambda *a, **k: evaluations.append(1) or real_evaluate(*a, **k))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        lopti.train(tiny_config(tiny_model_dir, out, steps=1))
+    assert exit_.value.code == 143 and evaluations == [] and [p.name for p in lopti.checkpoints(out)] == [
+        "checkpoint-0"]
+    monkeypatch.setattr(lopti, "load_policy", real_load)
+    assert run_main(["train", "--resume", "--output_dir", out]) == 0 and evaluations == [1, 1]
+
+
+def test_a_stale_warm_up_folder_goes_once_a_checkpoint_holds_the_warm_up(trained_run, tmp_path, rewards):
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    (run / "warm-up").mkdir()  # as a crash right after checkpoint-0 leaves it
+    assert run_main(["train", "--resume", "--output_dir", run, "--steps", "2"]) == 0
+    assert not (run / "warm-up").exists()

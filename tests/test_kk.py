@@ -785,18 +785,32 @@ def test_an_explicit_num_train_that_cannot_be_met_names_the_flag():
         load_task_data(Config(num_people="2", num_train=500, eval_size=4))
 
 
-def test_the_warm_up_cycles_where_fewer_puzzles_exist_and_is_drawn_only_when_it_runs(tmp_path, monkeypatch):
-    """60 steps x 8 prompts = 480 warm-up puzzles of 2 people (399 exist): the draw gives what exists; a
-    checkpoint of a run (trainer_state.pt: warmed up already) draws none."""
+def test_the_warm_up_cycles_where_fewer_puzzles_exist_and_a_checkpoint_evaluates_the_runs_puzzles(tmp_path):
+    """60 steps x 8 prompts = 480 warm-up puzzles of 2 people (399 exist): the draw gives what exists, no error. A
+    checkpoint of the run (--model, warmed up already: trainer_state.pt) is evaluated on the run's own puzzles."""
     cfg = Config(num_people="2", num_train=256, warmup_steps=60, prompts_per_step=8, eval_size=4, mini_batch_size=64)
     warm = lopti.warmup_puzzles(cfg)
     assert 300 < len(warm) < 480
-    draws = []
-    monkeypatch.setattr(lopti, "warmup_puzzles", lambda c: draws.append(c) or warm)
-    load_task_data(cfg)
     (tmp_path / "trainer_state.pt").write_bytes(b"")
-    load_task_data(dataclasses.replace(cfg, model=str(tmp_path)))
-    assert len(draws) == 1
+    run_evals = load_task_data(cfg)[1]
+    checkpoint_evals = load_task_data(dataclasses.replace(cfg, model=str(tmp_path)))[1]
+    assert checkpoint_evals["quiz"] == run_evals["quiz"]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"reward_model": "x"}, "field 'reward_model' must be an object"),
+    ({"statements": "(('lying', -1), ('telling-truth', 0), ('lying', 0))"}, "person -1 is not one of 0..2")])
+def test_a_logic_rl_field_of_the_wrong_type_or_a_negative_person_is_one_line(tmp_path, change, words):
+    row = {**jsonl_rows()[0], **change}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        kk_load(str(_write(tmp_path / "bad.jsonl", json.dumps(row) + "\n")))
+
+
+def test_a_solution_text_of_the_wrong_type_is_rebuilt(tmp_path):
+    rows = jsonl_rows()[:2]
+    rows[1]["solution_text"] = 7
+    loaded = kk_load(str(_write(tmp_path / "mixed.jsonl", "".join(json.dumps(r) + "\n" for r in rows))))
+    assert loaded["solution_text"][1].endswith(".") and loaded["solution_text"][0] == rows[0]["solution_text"]
 
 
 def test_the_toy_readme_example_row_loads_with_its_solution(tmp_path):
