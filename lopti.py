@@ -21,10 +21,11 @@ Where this file differs from the paper's text, following the official code:
     - the loss is a token-mean over the mini-batch (the paper averages each response first), and
       both Lopti stages divide by all of its response tokens, so that they add up to GRPO's loss;
     - a dual clip (10) for A < 0; a k3 KL to the reference over each stage's tokens, with clamps;
-    - the group's std is unbiased; the ratio's log is clamped to +-20 (upstream verl's).
+    - the group's std is unbiased.
 Where it differs from both, on purpose:
     - the token-mean divides by the mini-batch's tokens (the code averages per micro-batch), so
       micro-batching does not change the gradient; rows with A = 0 are skipped, an exact saving;
+    - the ratio's log is clamped to +-20, as upstream verl does (the official fork does not);
     - every Lopti pass has the learning rate (verl 0.1's schedule gives a run's first pass 0);
     - a mini-batch without gradient, or with a non-finite one, takes no optimiser step;
     - no top-k, top-p or repetition penalty in sampling, so that pi_old is what was sampled from;
