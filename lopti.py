@@ -1492,9 +1492,10 @@ def _kk_row(row) -> dict:
     if not isinstance(text_format, str):
         kind = type(text_format).__name__
         raise ValueError(f"field 'solution_text_format' must be text, got {kind}")
-    if len(text_format.split("\n")) > KK_MAX_PEOPLE:
+    solution_lines = text_format.split("\n")
+    if len(solution_lines) > KK_MAX_PEOPLE:
         raise ValueError(f"field 'solution_text_format' has more than {KK_MAX_PEOPLE} people")
-    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in text_format.split("\n")]
+    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in solution_lines]
     if None in lines or [int(m.group(1)) for m in lines] != list(range(1, len(lines) + 1)):
         raise ValueError("field 'solution_text_format' must be lines '(1) NAME is a knight|knave', "
                          f"NAME in letters A-Z (the reward reads no other), got {text_format!r}")
@@ -1512,7 +1513,7 @@ def _kk_row(row) -> dict:
             raise ValueError(f"more than {KK_MAX_PEOPLE} people")
         if len(parsed) != len(names):
             raise ValueError(f"{len(parsed)} statements for {len(names)} people")
-        if kk_solve(statements) != [solution]:
+        if kk_solve(parsed) != [solution]:
             raise ValueError("solution_text_format is not their unique solution")
     except Exception as e:
         raise ValueError(f"field 'statements': {str(e) or type(e).__name__}") from None
