@@ -1492,10 +1492,10 @@ def _kk_row(row) -> dict:
     if not isinstance(text_format, str):
         kind = type(text_format).__name__
         raise ValueError(f"field 'solution_text_format' must be text, got {kind}")
-    solution_lines = text_format.split("\n")
-    if len(solution_lines) > KK_MAX_PEOPLE:
+    people = text_format.split("\n")  # a line each
+    if len(people) > KK_MAX_PEOPLE:
         raise ValueError(f"field 'solution_text_format' has more than {KK_MAX_PEOPLE} people")
-    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in solution_lines]
+    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in people]
     if None in lines or [int(m.group(1)) for m in lines] != list(range(1, len(lines) + 1)):
         raise ValueError("field 'solution_text_format' must be lines '(1) NAME is a knight|knave', "
                          f"NAME in letters A-Z (the reward reads no other), got {text_format!r}")
