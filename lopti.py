@@ -27,17 +27,14 @@ Where it differs from both, on purpose:
       micro-batching does not change the gradient; rows with A = 0 are skipped, an exact saving;
     - the ratio's log is clamped to +-20, as upstream verl does (the official fork does not);
     - every Lopti pass has the learning rate (verl 0.1's schedule gives a run's first pass 0);
-    - a mini-batch without gradient, or with a non-finite one, takes no optimiser step;
+    - a mini-batch without gradient takes no optimiser step;
     - no top-k, top-p or repetition penalty in sampling, so that pi_old is what was sampled from;
     - Figure 3 counts from fp64-summed log-probs (the code's prob_stat: bf16 probabilities);
     - an optional supervised warm-up (warm_up) for models below ~1.5B; the paper has none.
 Not implemented: the code's neg_adv_weight (its K&K scripts pass 1.0) and quantile split
 (seperate_prob = 0, unused by its scripts).
 
-Below the banner, the harness: an LM's log-probs in chunks with prefix sharing, Figures 1 and 3
-paired, the toy, the K&K task (Logic-RL's prompt and reward: kk_prompt, kk_reward; puzzles), the
-warm-up, run files, evaluation, diagnose, TRL, the command line.
-Sections: grep -n '^# [=-][=-][=-]' lopti.py.
+Below the banner, the harness; its sections (grep -n '^# ---' lopti.py) are mapped in README.md.
 """
 from __future__ import annotations
 
@@ -54,7 +51,6 @@ import itertools
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
@@ -163,6 +159,9 @@ class Config:
     report_to: str = "none"
     """'none', or 'tensorboard': metrics.jsonl's records and the config go to output_dir/tensorboard
     too."""
+    reward: str = "kk"
+    """'kk', Logic-RL's (kk_rewards), or FILE.py:FUNCTION, MODULE:FUNCTION, or a Python function:
+    f(completions, solutions) -> B floats; 3.0 (KK_MAX_REWARD) counts as correct."""
 
     def __post_init__(self):
         check_config(self)  # the ranges, in the harness: a wrong value is one line
@@ -387,8 +386,6 @@ def update_pass(cfg: Config, name: str, logprob_fn: Callable, *, optimizer, batc
                 loss_sum += loss.detach()
                 totals.update(stats)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-            if not math.isfinite(grad_norm):
-                continue  # a NaN or inf step would corrupt the weights
             optimizer.step()
             grad_norms.append(grad_norm)
             losses.append(loss_sum)  # (a tensor: read once, after the pass)
@@ -518,7 +515,7 @@ def rollout_and_score(cfg: Config, model, ref_model, tokenizer, rows, device) ->
     t1 = time.perf_counter()
     # Outcome rewards, GRPO's group advantage
     solutions = [solution for solution in rows["solution_text_format"] for _ in range(G)]
-    rewards = kk_rewards(texts, solutions)  # (B,)
+    rewards = score(cfg, texts, solutions)  # (B,): Logic-RL's reward, or cfg.reward's
     batch["advantages"] = group_advantages(rewards, G).to(device)  # (B,)
     # pi_old (and the reference's) by a no-grad pass
     with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
@@ -541,18 +538,18 @@ def rollout_and_score(cfg: Config, model, ref_model, tokenizer, rows, device) ->
     return batch, metrics
 
 
-def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device) -> dict:
+def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device,
+               probe: Callable | None = None) -> dict:
     """One RL step (Algorithm 1) on K&K rows: its metrics, with Figure 3 of its update
-    (cfg.measure_update) and the first prompt's G completions ("samples")."""
+    (cfg.measure_update) and the first prompt's G completions ("samples"). diagnose's `probe`
+    measures the batch before the update, leaving the weights as they were."""
     batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer=tokenizer, rows=rows,
                                        device=device)
     measure = UpdateMeasure(cfg, model, batch, device)  # Figure 3's log-probs before the update
-
-    def logprob_fn(micro_batch: dict) -> Tensor:  # the current policy's (b, T), with gradients
-        with autocast(device):
-            return completion_logprobs(model, micro_batch, cfg.temperature)
-
+    logprob_fn = functools.partial(policy_logprobs, model, cfg.temperature, device)  # (b, T)
     model.train()  # for gradient checkpointing; dropout is off (load_model)
+    if probe is not None:
+        metrics.update(probe(batch, measure, logprob_fn))
     metrics.update(update_policy(cfg, logprob_fn, optimizer, batch))
     if cfg.measure_update:
         metrics.update(measure.counts())  # update_counts of before and after
@@ -562,10 +559,10 @@ def train_step(cfg: Config, model, ref_model, tokenizer, optimizer, rows, device
 def train(cfg: Config, resume: bool = False) -> Path:
     """GRPO (+AR, +Lopti) on K&K into cfg.output_dir: config.json, metrics.jsonl (a line per step
     and per evaluation), samples.jsonl, checkpoint-STEP/. Returns the last checkpoint. Run (below
-    the banner) holds the plumbing: the folder, data, model and warm-up, resume, evaluations,
-    checkpoints and logs."""
-    # Ctrl-C or SIGTERM: the step (or warm-up step) ends and is saved; exit 130 or 143
-    with StopOnSignal() as stop, Run(cfg, resume, stop) as run:  # evaluates step 0
+    the banner) holds the plumbing: folder, data, model, warm-up, resume, checkpoints and logs."""
+    # Ctrl-C or SIGTERM: the step ends and is saved (in the warm-up: redone); exit 130 or 143
+    with StopOnSignal() as stop, Run(cfg, resume, stop) as run:
+        run.evaluate_if_due(run.start)  # step 0, after the warm-up (or a resumed run's last)
         for step in range(run.start + 1, cfg.steps + 1):
             rows = run.train_rows[step_rows(len(run.train_rows), cfg, step - 1)]
             metrics = train_step(cfg, run.model, run.ref_model, tokenizer=run.tokenizer,
@@ -601,6 +598,8 @@ def check_config(cfg: Config) -> None:
              "low_first or high_first")
     _require(cfg, "optimizer", cfg.optimizer in ("adamw", "sgd"), "adamw or sgd")
     _require(cfg, "report_to", cfg.report_to in ("none", "tensorboard"), "none or tensorboard")
+    reward_ok = callable(cfg.reward) or cfg.reward == "kk" or ":" in cfg.reward
+    _require(cfg, "reward", reward_ok, "kk, FILE.py:FUNCTION, MODULE:FUNCTION or a function")
     if cfg.report_to == "tensorboard":
         try:
             from torch.utils.tensorboard import SummaryWriter  # (only the import is checked)
@@ -614,9 +613,9 @@ def check_config(cfg: Config) -> None:
     _require(cfg, "mini_batch_size", divides, allowed)
 
 
-def _require(cfg: Config, name: str, ok: bool, allowed: str) -> None:
+def _require(settings, name: str, ok: bool, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {getattr(cfg, name)!r}")
+        raise ValueError(f"{name} must be {allowed}, got {getattr(settings, name)!r}")
 
 
 def people_range(spec: str) -> tuple[int, int]:
@@ -631,8 +630,12 @@ def people_range(spec: str) -> tuple[int, int]:
 
 
 def _head_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float):
-    """token_logprobs of a chunk (n, H) of hidden states."""
-    return token_logprobs(head(hidden), tokens, temperature)  # (n,)
+    return token_logprobs(head(hidden), tokens, temperature)  # (n,), of hidden states (n, H)
+
+
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids counted from each row's first token, as generate() counts them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def hidden_logprobs(hidden: Tensor, head: torch.nn.Linear, tokens: Tensor, temperature: float = 1.0,
@@ -661,7 +664,7 @@ def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
     both = torch.cat([input_ids, attention_mask], 1)  # (B, 2L)
     distinct, inverse = torch.unique(both, dim=0, return_inverse=True)  # (U, 2L), (B,)
     ids, attention = distinct[:, :L], distinct[:, L:]  # (U, L) each
-    position_ids = (attention.long().cumsum(-1) - 1).clamp_min(0)  # (U, L)
+    position_ids = positions(attention)  # (U, L)
     out = model.base_model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
                            use_cache=True)
     out.cache.batch_select_indices(inverse)
@@ -670,11 +673,10 @@ def prefix_cache(model, input_ids: Tensor, attention_mask: Tensor):
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
                       temperature: float) -> Tensor:
-    """log pi(o_t) at temperature T of the last `num_completion` tokens of left-padded rows: (B, C).
-    Position ids come from the attention mask, as generate() made them: a padded row scores as it
-    would alone. A group's shared prompt runs once (prefix_cache), except under checkpointing."""
+    """lm_logprobs (B, C), in chunks (hidden_logprobs); a group's shared prompt runs once
+    (prefix_cache), except under checkpointing."""
     C = num_completion
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
+    position_ids = positions(attention_mask)  # (B, L)
     targets = input_ids[:, -C:]  # (B, C)
     shared = len(torch.unique(input_ids[:, :-C], dim=0)) < len(input_ids) and C > 1
     checkpointing = model.is_activation_checkpointing and model.training  # (HF drops a cache then)
@@ -689,6 +691,12 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_comp
                                position_ids=position_ids[:, :-1], use_cache=False)
         hidden = out.last_hidden_state[:, -C:]  # (B, C, H)
     return hidden_logprobs(hidden, model.get_output_embeddings(), targets, temperature)  # (B, C)
+
+
+def policy_logprobs(model, temperature: float, device, micro_batch: dict) -> Tensor:
+    """completion_logprobs (b, C) with gradients, under autocast: the update's."""
+    with autocast(device):
+        return completion_logprobs(model, micro_batch, temperature)
 
 
 def completion_logprobs(model, micro: dict, temperature: float) -> Tensor:
@@ -720,33 +728,31 @@ def batched_logprobs(model, batch: dict, cfg: Config, device, rows: Tensor | Non
 
 def split_rows(rows: Tensor, size: int) -> list[Tensor]:
     """Row indices in chunks of `size`; none for no rows (torch.split gives one empty chunk)."""
-    if len(rows) == 0:
-        return []
-    return list(rows.split(size))
+    return list(rows.split(size)) if len(rows) else []
 
 
 class UpdateMeasure:
-    """Figure 3 of one update: the log-probs before and after it by one pass each, so that an
-    unmoved token compares equal: before is pi_old's, or under bf16 an fp32 pass (bf16 rounds by
-    0.4 %, more than lr 1e-6 moves). `after()` is that pass; `counts()` is update_counts."""
+    """Figure 3 of one update from log-probs before and after it, each of one pass (an unmoved token
+    compares equal): pi_old's, or under bf16 an fp32 pass (bf16 rounds by 0.4 %, more than lr 1e-6
+    moves); after, an fp32 pass."""
 
     def __init__(self, cfg: Config, model, batch: dict, device):
+        self.cfg, self.model, self.batch, self.device = cfg, model, batch, device
         t0 = time.perf_counter()
-        self.batch = batch
-        with_gradient = rows_with_gradient(batch["advantages"], cfg.beta)  # (B,)
-        measure_in_fp32 = has_bf16(device)
-        self.after = functools.partial(batched_logprobs, model, batch, cfg, device=device,
-                                       rows=with_gradient, fp32=measure_in_fp32)
         self.before = batch["old_logprobs"]
-        if measure_in_fp32 and cfg.measure_update:
-            self.before = self.after()
-        wait_for_device(device)  # (CUDA is asynchronous: else this time lands in the update's)
+        if cfg.measure_update and has_bf16(device):
+            self.before = self.logprobs()
         self.seconds = time.perf_counter() - t0
 
-    def counts(self) -> dict:
+    def logprobs(self) -> Tensor:  # (B, C), now
+        rows = rows_with_gradient(self.batch["advantages"], self.cfg.beta)  # (B,)
+        out = batched_logprobs(self.model, self.batch, self.cfg, self.device, rows=rows, fp32=True)
+        wait_for_device(self.device)  # (CUDA is asynchronous: else its time lands elsewhere)
+        return out
+
+    def counts(self) -> dict:  # update_counts from before to now
         t0 = time.perf_counter()
-        after = self.after()
-        counts = update_counts(self.before, after, advantages=self.batch["advantages"],
+        counts = update_counts(self.before, self.logprobs(), advantages=self.batch["advantages"],
                                mask=self.batch["mask"], old_logprobs=self.batch["old_logprobs"])
         return {**counts, "time/measure": self.seconds + time.perf_counter() - t0}
 
@@ -863,11 +869,9 @@ def method_config(cfg: Config, method: str) -> Config:
 
 def method_name(cfg: dict) -> str:
     """grpo, ar, lopti or ar_lopti (+ _high_first, the ablation; + _N_epochs), from a config."""
-    ar = cfg["alpha"] > 0
-    if cfg["lopti"]:
-        name = "ar_lopti" if ar else "lopti"
-    else:
-        name = "ar" if ar else "grpo"
+    names = {(False, False): "grpo", (True, False): "ar", (False, True): "lopti",
+             (True, True): "ar_lopti"}
+    name = names[cfg["alpha"] > 0, cfg["lopti"]]
     if cfg["lopti"] and cfg["lopti_order"] == "high_first":
         name += "_high_first"
     if cfg["num_iterations"] > 1:
@@ -889,7 +893,7 @@ def per_bin(counts: list, totals: list) -> list:
 
 
 def figure3_shares(counts: dict) -> dict[str, list]:
-    """Per bin: the share of A > 0 tokens that rose (Figure 3), of the moved ones, and that tied."""
+    """Per bin: the share of A > 0 tokens that rose (Figure 3), of those that moved, that tied."""
     tokens = counts["update/pos_tokens"]
     rose = counts["update/pos_rose"]
     moved = [r + f for r, f in zip(rose, counts["update/pos_fell"])]
@@ -899,7 +903,7 @@ def figure3_shares(counts: dict) -> dict[str, list]:
 
 
 def copy_to_cpu(state):
-    """A deep copy with its tensors on the CPU: the GPU holds one model and optimiser state."""
+    """A deep copy, its tensors on the CPU: the GPU holds one model and optimiser state."""
     if torch.is_tensor(state):
         return state.to("cpu", copy=True)
     if isinstance(state, dict):
@@ -912,8 +916,7 @@ def copy_to_cpu(state):
 def paired_counts(cfg: Config, model, optimizer, logprob_fn: Callable, batch: dict,
                   measure: Callable[[], Tensor], before: Tensor, methods) -> dict[str, dict]:
     """Figure 3 paired: each method's whole update from the same weights, optimiser state and batch,
-    then undone bit for bit: a difference between methods is theirs, not their batches' or
-    trajectories'."""
+    undone bit for bit: a difference between methods is theirs, not their batches'."""
     weights = copy_to_cpu(model.state_dict())
     optimizer_state = copy_to_cpu(optimizer.state_dict())
     counts = {}
@@ -991,16 +994,12 @@ class ToySettings:
     target_gap: float = 0.5  # a target's bias is the bigram token's minus this
 
     def __post_init__(self):  # a bad --setting is one line (main)
-        checks = (("seeds", self.seeds >= 1, ">= 1"), ("steps", self.steps >= 1, ">= 1"),
-                  ("vocab", self.vocab >= max(2, self.prompts), ">= 2 and >= prompts (ids)"),
-                  ("dim", self.dim >= 1, ">= 1"), ("prompts", self.prompts >= 1, ">= 1"),
-                  ("group", self.group >= 2, ">= 2"),
-                  ("decisions", 1 <= self.decisions <= self.length, "in 1..length"),
-                  ("target_gap", self.target_gap >= 0, ">= 0"))
-        for name, ok, allowed in checks:
-            if not ok:
-                value = getattr(self, name)
-                raise ValueError(f"toy setting {name} must be {allowed}, got {value!r}")
+        for name in ("seeds", "steps", "dim", "prompts"):
+            _require(self, name, getattr(self, name) >= 1, ">= 1")
+        _require(self, "vocab", self.vocab >= max(2, self.prompts), ">= 2 and >= prompts (ids)")
+        _require(self, "group", self.group >= 2, ">= 2")
+        _require(self, "decisions", 1 <= self.decisions <= self.length, "in 1..length")
+        _require(self, "target_gap", self.target_gap >= 0, ">= 0")
 
 
 TOY_QUICK = dict(seeds=2, steps=5)
@@ -1115,8 +1114,8 @@ def toy_trajectory(s: ToySettings, method: str, seed: int, paired: tuple = ()) -
 
 
 def run_toy(s: ToySettings, workers: int = 1) -> dict:
-    """Every part of the toy; a pure function of `s` (with torch's threads fixed to one, also in
-    each of `workers` processes, which share out the trajectories)."""
+    """Every part of the toy, a pure function of `s` (torch's threads fixed to one, also in each of
+    the `workers` processes that share out the trajectories)."""
     methods = [method for method in TOY_OWN_RUNS for _ in range(s.seeds)]
     settings = [s] * len(methods)
     seeds = [s.seed + i for _ in TOY_OWN_RUNS for i in range(s.seeds)]
@@ -1175,11 +1174,9 @@ def late_reward(rewards: list[list[float]]) -> Tensor:
 
 
 def plot_toy(r: dict, out: Path) -> None:
-    """The toy's results.json drawn: Figure 1 (a), (d) on the first batch, Figure 3 of each method's
-    own runs, and each method's mean reward per step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """figures.png: Figure 1 (a), (d) on the first batch, Figure 3 of each method's own runs, and
+    its mean reward per step."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     bins = range(len(r["bins"]))
     figure1 = r["figure1"]
@@ -1204,6 +1201,17 @@ def plot_toy(r: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files; without matplotlib, one ValueError."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("figures need matplotlib: pip install matplotlib") from None
+    return plt
 
 
 def fmt_p(p: float) -> str:
@@ -1420,27 +1428,27 @@ def _kk_solution_texts(names: list[str], solution: list[bool]) -> tuple[str, str
 
 
 def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 0,
-                up_to: bool = False):
-    """`n` distinct puzzles with one solution each, of num_people (int, or (lo, hi) per puzzle), in
-    the benchmark's schema; `up_to`: fewer where fewer exist (2 people: 399)."""
+                up_to: bool = False, exclude=()):
+    """`n` distinct puzzles with one solution each, of num_people (int, or (lo, hi)), in the
+    benchmark's schema, none with `exclude`'s statements; `up_to`: fewer where fewer exist."""
     import datasets
     lo, hi = (num_people, num_people) if isinstance(num_people, int) else num_people
     assert 2 <= lo <= hi <= KK_MAX_PEOPLE, f"num_people must lie within 2..8, got {num_people}"
     rng = random.Random(seed)
-    seen = set()
+    seen = set(exclude)
     rows = []
     for _ in range(n):
         k = rng.randint(lo, hi)
         for _try in range(10_000):  # (2-person puzzles run out after a few hundred)
             statements = tuple(_kk_statement(rng, k, i) for i in range(k))
-            solutions = [] if statements in seen else kk_solve(statements)
+            solutions = [] if repr(statements) in seen else kk_solve(statements)
             if len(solutions) == 1:
                 break
         else:
             if up_to:
                 break
             raise ValueError(f"only {len(rows)} distinct {k}-person puzzles found: ask for fewer")
-        seen.add(statements)
+        seen.add(repr(statements))
         names = rng.sample(KK_NAMES, k)
         said = " ".join(rng.choice(_KK_SAYINGS).format(name=names[i], content=_kk_text(names, s))
                         for i, s in enumerate(statements))
@@ -1456,7 +1464,7 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
 
 
 def _first_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines() or [""]
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines() or [""]  # (no colour)
     return f"{type(e).__name__}: {lines[0][:200]}"
 
 
@@ -1474,8 +1482,7 @@ def _kk_row(row) -> dict:
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object with fields, got {type(row).__name__}")
     reward_model = row.get("reward_model") or {}  # (Logic-RL's rows)
-    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else "?"
-    truth = truth or {}
+    truth = (reward_model.get("ground_truth") or {}) if isinstance(reward_model, dict) else None
     if not isinstance(truth, dict):
         raise ValueError("field 'reward_model' must be an object with a 'ground_truth' object")
     quiz = row.get("quiz")
@@ -1485,32 +1492,26 @@ def _kk_row(row) -> dict:
                         ("statements", statements)):
         if value is None:
             raise ValueError(f"field {name!r} is missing")
-    if not isinstance(quiz, str) or not quiz.strip():
-        raise ValueError(f"field 'quiz' must be non-empty text, got {type(quiz).__name__}")
-    if len(quiz) > KK_MAX_QUIZ:
-        raise ValueError(f"field 'quiz' has {len(quiz):,} characters (at most {KK_MAX_QUIZ:,})")
+    if not isinstance(quiz, str) or not quiz.strip() or len(quiz) > KK_MAX_QUIZ:
+        raise ValueError(f"field 'quiz' must be text of 1 to {KK_MAX_QUIZ:,} characters")
     if not isinstance(text_format, str):
         kind = type(text_format).__name__
         raise ValueError(f"field 'solution_text_format' must be text, got {kind}")
-    people = text_format.split("\n")  # a line each
-    if len(people) > KK_MAX_PEOPLE:
-        raise ValueError(f"field 'solution_text_format' has more than {KK_MAX_PEOPLE} people")
-    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in people]
+    lines = [KK_SOLUTION_LINE.fullmatch(line.strip()) for line in text_format.split("\n")]
     if None in lines or [int(m.group(1)) for m in lines] != list(range(1, len(lines) + 1)):
         raise ValueError("field 'solution_text_format' must be lines '(1) NAME is a knight|knave', "
                          f"NAME in letters A-Z (the reward reads no other), got {text_format!r}")
     names = [m.group(2) for m in lines]
     solution = [m.group(3) == "knight" for m in lines]
     unnamed = [name for name in names if not re.search(rf"\b{name}\b", quiz)]
-    if len(set(names)) < len(names) or unnamed or len(names) < 2:
-        raise ValueError(f"field 'solution_text_format' must name 2 or more distinct people of the "
-                         f"quiz, got {names}")
+    distinct = {name.lower() for name in names}  # as the reward matches them
+    if not 2 <= len(distinct) == len(names) <= KK_MAX_PEOPLE or unnamed:
+        raise ValueError(f"field 'solution_text_format' must name 2 to {KK_MAX_PEOPLE} people of "
+                         f"the quiz, distinct ignoring case, got {names}")
     if not isinstance(statements, str):  # JSON has lists; the official form is the tuple's repr
         statements = repr(_as_tuples(statements))
     try:
-        parsed = ast.literal_eval(statements)
-        if len(parsed) > KK_MAX_PEOPLE:
-            raise ValueError(f"more than {KK_MAX_PEOPLE} people")
+        parsed = _as_tuples(ast.literal_eval(statements))
         if len(parsed) != len(names):
             raise ValueError(f"{len(parsed)} statements for {len(names)} people")
         if kk_solve(parsed) != [solution]:
@@ -1520,17 +1521,17 @@ def _kk_row(row) -> dict:
     solution_text = row.get("solution_text")
     if not isinstance(solution_text, str) or not solution_text:
         solution_text = _kk_solution_texts(names, solution)[0]
-    return {"quiz": quiz, "names": names, "solution": solution, "statements": statements,
+    return {"quiz": quiz, "names": names, "solution": solution, "statements": repr(parsed),
             "solution_text": solution_text, "solution_text_format": text_format,
             "num_people": len(names)}
 
 
 def _read_rows(path: Path) -> list:
-    """The rows of a .jsonl, .json (a list, or JSON lines) or .parquet file, read in memory."""
+    """The rows of a .jsonl, .json (a list, or JSON lines) or .parquet file."""
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet
         return pyarrow.parquet.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is read, not refused)
     if not text.strip():
         raise ValueError("the file is empty")
     if path.suffix.lower() == ".json":
@@ -1550,8 +1551,8 @@ def _read_rows(path: Path) -> list:
 
 def kk_load(source: str) -> datasets.Dataset:
     """Checked K&K rows from a .parquet/.jsonl/.json file (the benchmark's or Logic-RL's format) or
-    a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" ("K-and-K/knights-and-knaves:test/3ppl"). What
-    cannot be read is one ValueError naming the file, the row (from 1) or line, and the field."""
+    a hub dataset "OWNER/NAME[:[CONFIG/]SPLIT]" ("K-and-K/knights-and-knaves:test/3ppl"); else one
+    ValueError naming the file, the row (from 1) or line, and the field."""
     import datasets
     path = Path(source).expanduser()
     has_file_suffix = path.suffix.lower() in (".parquet", ".jsonl", ".json")
@@ -1579,9 +1580,8 @@ def kk_load(source: str) -> datasets.Dataset:
 
 
 def kk_case_analysis(row: dict) -> str:
-    """The warm-up's target, a completion after THINK_PREFIX: per world, in the benchmark's order,
-    each statement's truth and whether it fits, e.g. " Emma knight, Liam knight: Emma says false,
-    Liam says true: no. ... </think><answer> (1) Emma is a knight ... </answer>"."""
+    """The warm-up's target after THINK_PREFIX: per world, each statement's truth, if it fits, e.g.
+    " Emma knight, Liam knight: Emma says false, Liam says true: no. ... </think><answer> ..."."""
     statements = ast.literal_eval(row["statements"])
     names = row["names"]
     cases = []
@@ -1596,48 +1596,6 @@ def kk_case_analysis(row: dict) -> str:
     return f" {' '.join(cases)} </think><answer> {row['solution_text_format']} </answer>"
 
 
-def _kk_relabel(statement: tuple, order) -> tuple:
-    """Person i renamed order[i]; the operands of and, or and <=> sorted."""
-    op, *args = statement
-    if op in ("telling-truth", "lying"):
-        return (op, order[args[0]])
-    operands = [_kk_relabel(arg, order) for arg in args]
-    return (op, *(sorted(operands) if op in ("and", "or", "<=>") else operands))
-
-
-def _kk_renamed(statements: tuple, order) -> tuple:
-    """Person i renamed order[i]: speaker i's statement becomes speaker order[i]'s."""
-    renamed = [None] * len(statements)
-    for speaker, statement in enumerate(statements):
-        renamed[order[speaker]] = _kk_relabel(statement, order)
-    return tuple(renamed)
-
-
-def _kk_outline(statements: tuple) -> tuple:
-    """What any renaming keeps: the statements with each one's speaker as 0, everyone else as 1."""
-    outlines = []
-    for speaker, statement in enumerate(statements):
-        others_as_one = [int(person != speaker) for person in range(len(statements))]
-        outlines.append(_kk_relabel(statement, others_as_one))
-    return tuple(sorted(outlines))
-
-
-def kk_twins(rows, others) -> list[bool]:
-    """Per puzzle of `rows`, whether `others` holds a logical twin: equal after some renaming, the
-    operands of and, or, <=> in any order (2-person puzzles have 95 classes)."""
-    seen = collections.defaultdict(set)  # outline -> puzzles
-    for text in others["statements"]:
-        statements = ast.literal_eval(text)
-        seen[_kk_outline(statements)].add(_kk_renamed(statements, range(len(statements))))
-    twins = []
-    for text in rows["statements"]:
-        statements = ast.literal_eval(text)
-        candidates = seen.get(_kk_outline(statements), set())
-        orders = itertools.permutations(range(len(statements))) if candidates else []
-        twins.append(any(_kk_renamed(statements, order) in candidates for order in orders))
-    return twins
-
-
 def constant_accuracy(rows) -> float:
     """The best constant answer's accuracy (per size, the most common solution, e.g. "(1) knave
     (2) knave"): the floor that a model's accuracy must beat."""
@@ -1647,65 +1605,110 @@ def constant_accuracy(rows) -> float:
     return sum(best.values()) / max(len(rows), 1)
 
 
-def warmup_puzzles(cfg: Config) -> datasets.Dataset:
-    """The warm-up's puzzles: up to warmup_steps * prompts_per_step (warm_up cycles them)."""
-    return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, people_range(cfg.num_people),
-                       seed=cfg.seed + 2_000_003, up_to=True)
+# --- The run's puzzles: training and the warm-up skip the evaluation's statements (2-person
+# puzzles fall in 95 logical classes, so an evaluation shares classes with training)
+
+
+def evaluation_rows(cfg: Config) -> datasets.Dataset:
+    """cfg.eval_size generated puzzles per size, from a seed of their own; or --eval_data's rows,
+    less those that --train_data (a file) holds, said."""
+    import datasets
+    if cfg.eval_data != "generate":
+        evals = kk_load(cfg.eval_data)
+        if cfg.train_data == "generate":
+            return evals
+        training = set(kk_load(cfg.train_data)["statements"])
+        kept = [i for i, s in enumerate(evals["statements"]) if s not in training]
+        if not kept:
+            raise ValueError("every --eval_data puzzle is also in --train_data")
+        if len(kept) < len(evals):
+            print(f"note: {len(evals) - len(kept)} of {len(evals)} --eval_data puzzles are also in "
+                  "--train_data: not evaluated")
+        return evals.select(kept)
+    lo, hi = people_range(cfg.num_people)
+    sizes = []
+    for people in range(lo, hi + 1):
+        try:
+            sizes.append(kk_generate(cfg.eval_size, people, seed=cfg.seed + 1_000_003 + people))
+        except ValueError as e:
+            raise ValueError(f"--eval_size {cfg.eval_size}, {people} people: {e}") from None
+    return datasets.concatenate_datasets(sizes)
 
 
 def load_task_data(cfg: Config):
-    """Training and evaluation rows, none in both; evaluation's `twin` column (kk_twins of the
-    training and warm-up puzzles)."""
-    import datasets
-    lo, hi = people_range(cfg.num_people)
-    if cfg.train_data == "generate":
-        up_to = cfg.num_train == Config.num_train  # the default: all there are, where fewer exist
-        try:
-            train_rows = kk_generate(cfg.num_train, (lo, hi), cfg.seed, up_to=up_to)
-        except ValueError as e:
-            raise ValueError(f"--num_train {cfg.num_train}, --num_people {cfg.num_people}: {e}")
-    else:
-        train_rows = kk_load(cfg.train_data)
-    seen = {"statements": list(train_rows["statements"])}
-    if cfg.warmup_steps:  # (also for a checkpoint: its evaluation is then the run's own)
-        seen["statements"] += list(warmup_puzzles(cfg)["statements"])
-    if cfg.eval_data == "generate":
-        sizes = [evaluation_puzzles(cfg, n, seen) for n in range(lo, hi + 1)]
-        evals = datasets.concatenate_datasets(sizes)
-    else:
-        evals = kk_load(cfg.eval_data)
-    training_quizzes = set(train_rows["quiz"])
-    kept = [i for i, quiz in enumerate(evals["quiz"]) if quiz not in training_quizzes]
-    if not kept:
-        raise ValueError("every evaluation puzzle is also a training puzzle: use other --eval_data")
-    if len(kept) < len(evals):
-        print(f"note: {len(evals) - len(kept)} evaluation puzzles are also training puzzles: not "
-              "evaluated (eval/puzzles names the rest)")
-        evals = evals.select(kept)
-    return train_rows, evals.add_column("twin", kk_twins(evals, seen))
+    """Training and evaluation rows; generated training skips the evaluation's statements."""
+    evals = evaluation_rows(cfg)
+    if cfg.train_data != "generate":
+        return kk_load(cfg.train_data), evals
+    up_to = cfg.num_train == Config.num_train  # the default: all there are, where fewer exist
+    try:
+        train_rows = kk_generate(cfg.num_train, people_range(cfg.num_people), cfg.seed,
+                                 up_to=up_to, exclude=evals["statements"])
+    except ValueError as e:
+        raise ValueError(f"--num_train {cfg.num_train}, --num_people {cfg.num_people}: {e}")
+    if not len(train_rows):
+        raise ValueError(f"--eval_size {cfg.eval_size} takes every {cfg.num_people}-person puzzle")
+    return train_rows, evals
 
 
-def evaluation_puzzles(cfg: Config, people: int, seen: dict) -> datasets.Dataset:
-    """cfg.eval_size puzzles of `people`, from a seed disjoint from training's: those without a
-    logical twin in `seen` first, of up to 4x as many (2 people: 399 puzzles exist, 95 classes,
-    so a 2-person evaluation has twins once training covers the classes)."""
-    seed = cfg.seed + 1_000_003 + people
-    for size in (4 * cfg.eval_size, 2 * cfg.eval_size):
-        try:
-            pool = kk_generate(size, people, seed)
-            break
-        except ValueError:  # fewer puzzles of this size exist
-            continue
-    else:
-        try:
-            pool = kk_generate(cfg.eval_size, people, seed)
-        except ValueError as e:
-            raise ValueError(f"--eval_size {cfg.eval_size}, {people} people: {e}") from None
-    twins = kk_twins(pool, seen)
-    twin_free_first = sorted(range(len(pool)), key=twins.__getitem__)  # (a stable sort)
-    return pool.select(twin_free_first[:cfg.eval_size])
+def warmup_puzzles(cfg: Config, eval_rows) -> datasets.Dataset:
+    """The warm-up's puzzles: up to warmup_steps * prompts_per_step (warm_up cycles them)."""
+    return kk_generate(cfg.warmup_steps * cfg.prompts_per_step, people_range(cfg.num_people),
+                       seed=cfg.seed + 2_000_003, up_to=True, exclude=eval_rows["statements"])
 
 
+def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
+    """Step `step`'s rows (0-based): slices of per-epoch shuffles seeded by (seed, epoch), so
+    --resume replays them."""
+    rows = []
+    for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
+        shuffle = torch.Generator().manual_seed(cfg.seed * 100_003 + i // num_rows)  # the epoch's
+        rows.append(int(torch.randperm(num_rows, generator=shuffle)[i % num_rows]))
+    return rows
+
+
+# --- Rewards: Logic-RL's, or --reward's, checked where they enter
+
+
+def reward_function(spec) -> Callable:
+    """cfg.reward's function: 'kk' (kk_rewards), a function, FILE.py:FUNCTION, MODULE:FUNCTION."""
+    if callable(spec):
+        return spec
+    return kk_rewards if spec == "kk" else load_function(spec)
+
+
+@functools.cache  # (a file runs once)
+def load_function(spec: str) -> Callable:
+    import importlib.util
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(Path(where).stem,
+                                                                 Path(where).expanduser())
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, name)
+    except Exception as e:
+        raise ValueError(f"--reward {spec}: cannot load it ({_first_line(e)})") from None
+
+
+def score(cfg: Config, completions: list[str], solutions: list[str]) -> Tensor:
+    """cfg.reward's rewards (B,) of completions (after THINK_PREFIX) for their solution_text_format,
+    checked: one finite number per completion, else one line."""
+    function = reward_function(cfg.reward)
+    name = getattr(function, "__name__", cfg.reward)
+    rewards = function(completions, solutions)
+    try:
+        values = torch.as_tensor(rewards, dtype=torch.float32).cpu()
+        ok = values.shape == (len(completions),) and bool(values.isfinite().all())
+    except (TypeError, ValueError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"reward {name} must return {len(completions)} finite numbers, got "
+                         f"{rewards!r:.100}")
+    return values
 # --- Devices, models and the warm-up
 
 
@@ -1736,9 +1739,7 @@ def wait_for_device(device: torch.device) -> None:
 
 
 def has_bf16(device: torch.device) -> bool:
-    """A GPU with native bf16 (not a T4). LOPTI_CPU_BF16=1: the bf16 path on CPU (tests)."""
-    if device.type == "cpu":
-        return os.environ.get("LOPTI_CPU_BF16") == "1"
+    """A GPU with native bf16 (not a T4)."""
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
@@ -1747,13 +1748,23 @@ def autocast(device: torch.device, enabled: bool = True):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and has_bf16(device))
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A causal LM with SDPA attention and dropout off (it would make the first ratio != 1)."""
+    """A causal LM with SDPA attention and dropout off (it would make the first ratio != 1); else
+    one ValueError."""
     from transformers import AutoModelForCausalLM
+    path = Path(name).expanduser()
+    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise ValueError(f"--model {name}: no such folder")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
-    except RuntimeError as e:  # e.g. a checkpoint whose weights do not fit its config
-        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+        source = str(path) if path.exists() else name
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
+                                                     attn_implementation="sdpa")
+    except Exception as e:  # no such model, a torn or mismatched checkpoint
+        if is_out_of_memory(e):
             raise
         raise ValueError(f"cannot load the model {name} ({_first_line(e)})") from None
     text_config = model.config.get_text_config()
@@ -1774,19 +1785,15 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(name).expanduser()))
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # masks come from positions
     return tokenizer
 
 
-def load_policy(cfg: Config, device: torch.device, start: Path | None = None,
-                out: Path | None = None, stop: StopOnSignal | None = None):
-    """Policy (checkpoint `start`, a stopped warm-up in `out`, or cfg.model; warmed up unless from a
-    run), tokenizer, and the frozen reference: cfg.model, not warmed up (None when beta = 0)."""
-    stopped_warm_up = out / WARM_UP_DIR if out else None
-    if start is None and stopped_warm_up and stopped_warm_up.exists():
-        start = stopped_warm_up
+def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
+    """The policy (checkpoint `start`, or cfg.model), its tokenizer, and the frozen reference,
+    cfg.model (None when beta = 0)."""
     source = str(start or cfg.model)
     model = load_model(source, device)
     tokenizer = load_tokenizer(source)
@@ -1796,39 +1803,27 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None,
         ref_model = load_model(cfg.model, device, ref_dtype).eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    if needs_warm_up(cfg, source):
-        warm_up(cfg, model, tokenizer, device, out=out, stop=stop)
     return model, tokenizer, ref_model
 
 
 def needs_warm_up(cfg: Config, source: str) -> bool:
     """cfg.warmup_steps, unless `source` is a run's checkpoint (warmed up already)."""
-    return cfg.warmup_steps > 0 and not (Path(source) / "trainer_state.pt").exists()
+    return cfg.warmup_steps > 0 and not (Path(source).expanduser() / "trainer_state.pt").exists()
 
 
-def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | None = None,
+def warm_up(cfg: Config, model, tokenizer, device: torch.device, rows,
             stop: StopOnSignal | None = None) -> None:
     """A supervised warm-up, ours (the paper's 3B needs none; pure RL on K&K stalls below ~1.5B):
-    cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS, prompts_per_step puzzles
-    each (cycling where fewer exist). AdamW whatever cfg.optimizer says: at this learning rate SGD
-    would warm nothing. A signal (`stop`) ends it after a step, saved to out/warm-up/ for --resume;
-    a model loaded from there continues it."""
-    rows = warmup_puzzles(cfg)
-    lr = cfg.warmup_learning_rate
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-    state_file = Path(model.name_or_path) / "warmup_state.pt"
-    done = 0
-    if state_file.exists():  # a stopped warm-up's
-        state = load_trainer_state(state_file.parent, state_file.name)
-        optimizer.load_state_dict(state["optimizer"])
-        done = state["step"]
+    cfg.warmup_steps steps of cross-entropy on kk_case_analysis + EOS of `rows`, prompts_per_step
+    puzzles each (cycling); AdamW, as SGD would warm nothing at this rate. A signal (`stop`) ends it
+    unsaved: it is deterministic, and --resume redoes it."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_learning_rate,
+                                  weight_decay=cfg.weight_decay)
     model.train()
-    for step in tqdm(range(done, cfg.warmup_steps), desc="warm-up", initial=done,
-                     total=cfg.warmup_steps):
+    for step in tqdm(range(cfg.warmup_steps), desc="warm-up"):
         if stop and stop.signum:
-            save_stopped_warm_up(out, model, tokenizer, optimizer, step)
-            print(f"lopti.py train: stopped after warm-up step {step}, saved; continue with "
-                  "--resume", file=sys.stderr)
+            print(f"lopti.py: stopped in warm-up step {step + 1}, unsaved; --resume redoes the "
+                  "warm-up", file=sys.stderr)
             raise SystemExit(128 + stop.signum)
         pairs = []  # (prompt, target) token ids
         first = step * cfg.prompts_per_step
@@ -1854,23 +1849,48 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, out: Path | Non
         optimizer.zero_grad(set_to_none=True)
 
 
-def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
-    """Step `step`'s rows (0-based): slices of per-epoch shuffles seeded by (seed, epoch), so
-    --resume replays them."""
-    rows = []
-    for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
-        shuffle = torch.Generator().manual_seed(cfg.seed * 100_003 + i // num_rows)  # the epoch's
-        rows.append(int(torch.randperm(num_rows, generator=shuffle)[i % num_rows]))
-    return rows
-
-
-# --- Run files, checkpoints, resume and signals
+# --- Run files: config.json with the version, logs, checkpoints, resume and signals
 
 # What --resume may change. Memory settings keep the steps (up to rounding); the learning rate may
 # fall after a divergence. Not the evaluation's puzzles: the gain is paired.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
                      "generation_batch_size", "gradient_checkpointing", "measure_update",
                      "learning_rate", "output_dir", "report_to")
+STALLED_STEPS = 3  # steps in a row in which no group has spread: train says so
+
+
+def lopti_version() -> str:
+    """git's commit (-dirty: with changes), where there is one, and this file's sha256."""
+    import subprocess
+    here = Path(__file__).resolve()
+    digest = hashlib.sha256(here.read_bytes()).hexdigest()[:12]
+    git = ["git", "describe", "--always", "--dirty"]
+    described = subprocess.run(git, cwd=here.parent, capture_output=True, text=True).stdout
+    return f"{described.strip() or 'no git'}, lopti.py sha256 {digest}"
+
+
+def config_record(cfg: Config) -> dict:  # config.json's: settings, method, version
+    settings = asdict(cfg)
+    if callable(cfg.reward):
+        settings["reward"] = f"{cfg.reward.__module__}:{cfg.reward.__qualname__}"
+    return {**settings, "method": method_name(settings), "version": lopti_version()}
+
+
+def read_config(path: Path) -> dict:
+    """A config.json's Config fields (older runs': defaults); a file that holds none: ValueError."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({_first_line(e)})") from None
+    if not isinstance(saved, dict) or "lopti" not in saved:
+        raise ValueError(f"{path} holds no settings of a lopti.py run")
+    return {f.name: saved.get(f.name, f.default) for f in fields(Config)}
+
+
+def write_json(path: Path, value) -> None:  # beside `path`, renamed: never half a file
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -1890,33 +1910,29 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl, and --report_to tensorboard's scalars (a list per pi_old bin as KEY/0..3) and
-    texts (eval/correct, eval/puzzles); a resumed run's redone steps replace their first record."""
+    """metrics.jsonl; --report_to tensorboard: numbers as scalars (a bin's as KEY/0..3), texts as
+    text, a resumed run's redone steps replacing the first."""
 
     def __init__(self, out: Path, cfg: Config, first_step: int = 0):
         self.path = out / "metrics.jsonl"
         self.writer = None
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
-            purge_step = first_step + 1  # a resumed run's later events are dropped
-            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
-            self.writer.add_text("config", json.dumps(asdict(cfg), indent=2))
+            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=first_step + 1)
+            self.writer.add_text("config", json.dumps(config_record(cfg), indent=2))
 
     def write(self, record: dict) -> None:
         append_jsonl(self.path, record)
         if self.writer is None:
             return
-        step = record["step"]
         for key, value in record.items():
-            values = value if isinstance(value, list) else [value]
-            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
             if isinstance(value, str):
-                self.writer.add_text(key, value, global_step=step)
-            if key == "step" or len(numbers) != len(values):
-                continue  # bins without a value
-            for i, number in enumerate(numbers):
-                tag = f"{key}/{i}" if isinstance(value, list) else key
-                self.writer.add_scalar(tag, number, global_step=step)
+                self.writer.add_text(key, value, global_step=record["step"])
+            values = value if isinstance(value, list) else [value]
+            for i, number in enumerate(values):
+                if key != "step" and type(number) in (int, float):  # (not None, bool or text)
+                    tag = f"{key}/{i}" if isinstance(value, list) else key
+                    self.writer.add_scalar(tag, number, global_step=record["step"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -1925,40 +1941,38 @@ class MetricsLog:
 
 
 def not_started(out: Path) -> bool:
-    """A run's folder that holds only its config.json and empty logs (its model never loaded): a
-    new run or --resume may start it again, with any settings."""
+    """Only config.json and empty logs (a run stopped in its warm-up): a new run or --resume may
+    start it again, with any settings."""
     names = {p.name for p in out.iterdir()}
-    logs_empty = not read_jsonl(out / "metrics.jsonl") and not read_jsonl(out / "samples.jsonl")
-    return "config.json" in names and names <= {"config.json", "metrics.jsonl",
-                                                 "samples.jsonl"} and logs_empty
+    logs = read_jsonl(out / "metrics.jsonl") + read_jsonl(out / "samples.jsonl")
+    allowed = {"config.json", "metrics.jsonl", "samples.jsonl"}
+    return "config.json" in names and names <= allowed and not logs
 
 
-def check_output_dir(cfg: Config, out: Path, resume: bool) -> None:
-    """Before anything is written: a new run needs an empty or new folder, --resume a run whose
+def check_output_dir(cfg: Config, resume: bool) -> Path:
+    """Before anything is written: a new run needs a new or empty folder, --resume a run whose
     config.json differs only in RESUME_MAY_CHANGE."""
-    if out.exists() and any(out.iterdir()) and not_started(out):
-        return
-    if not resume and out.exists() and any(out.iterdir()):
+    out = Path(cfg.output_dir).expanduser()
+    if not out.is_dir() or not any(out.iterdir()) or not_started(out):
+        return out
+    if not resume:
         raise ValueError(f"--output_dir {out} is not empty: --resume continues a run there; else "
                          "choose a new folder")
-    if resume:
-        saved, now = json.loads((out / "config.json").read_text()), asdict(cfg)
-        saved.pop("method", None)  # (named for the reader: method_name)
-        changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in saved.items()
-                   if k not in RESUME_MAY_CHANGE and v != now.get(k)]
-        if changed:
-            raise ValueError(f"--resume may not change {', '.join(changed)}: start a new "
-                             "--output_dir")
+    saved, now = read_config(out / "config.json"), config_record(cfg)
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items()
+               if k not in RESUME_MAY_CHANGE and v != now[k]]
+    if changed:
+        raise ValueError(f"--resume may not change {', '.join(changed)}: start a new --output_dir")
+    return out
 
 
 def start_run_files(out: Path, cfg: Config, start: int) -> None:
-    """config.json, and the logs cut back to step `start` (later steps are redone, logged once)."""
+    """config.json; the logs cut back to step `start` (later steps are redone, logged once)."""
     out.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "samples.jsonl"):
         kept = [r for r in read_jsonl(out / name) if r["step"] <= start]
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
-    named = {**asdict(cfg), "method": method_name(asdict(cfg))}
-    (out / "config.json").write_text(json.dumps(named, indent=2))
+    write_json(out / "config.json", config_record(cfg))
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -1968,8 +1982,7 @@ def checkpoints(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
-    """out/checkpoint-STEP/ (--model loads it; + trainer_state.pt): a crash at any moment leaves a
-    whole latest checkpoint."""
+    """out/checkpoint-STEP/ (--model loads it; + trainer_state.pt), written as .tmp, renamed."""
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -1984,16 +1997,17 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
     return final
 
 
-def load_trainer_state(ckpt: Path | None, name: str = "trainer_state.pt") -> dict:
-    """`ckpt`'s step, optimiser and RNG states ({"step": 0} if None), or another such file of it; a
-    pickle that would run code is refused."""
+def load_trainer_state(ckpt: Path | None) -> dict:
+    """`ckpt`'s step, optimiser and RNG states ({"step": 0} if None); a torn file or a pickle that
+    would run code: one ValueError."""
     if ckpt is None:
         return {"step": 0}
     try:
-        return torch.load(ckpt / name, weights_only=True)
-    except pickle.UnpicklingError as e:
-        message = f"{ckpt}/{name} cannot be loaded safely ({_first_line(e)})"
-        raise ValueError(message) from None
+        return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    except Exception as e:
+        if is_out_of_memory(e):
+            raise
+        raise ValueError(f"{ckpt}/trainer_state.pt cannot be loaded ({_first_line(e)})") from None
 
 
 def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
@@ -2007,27 +2021,13 @@ def restore_trainer_state(state: dict, optimizer, cfg: Config) -> None:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
-def check_finite(model, step: int) -> None:
-    if not all(p.isfinite().all() for p in model.parameters()):
-        raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: continue "
-                         "from the last checkpoint with --resume --learning_rate LOWER")
-
-
-def checkpoint_due(cfg: Config, step: int) -> bool:
-    return step == cfg.steps or bool(cfg.save_every and step % cfg.save_every == 0)
-
-
-def evaluation_due(cfg: Config, step: int) -> bool:
-    return step in (0, cfg.steps) or bool(cfg.eval_every and step % cfg.eval_every == 0)
-
-
-def evaluated(out: Path, step: int) -> bool:
-    records = read_jsonl(out / "metrics.jsonl")
-    return any("eval/accuracy" in r and r["step"] == step for r in records)
+def due(every: int, step: int, cfg: Config) -> bool:
+    """Every `every` steps (save_every, eval_every), and the last."""
+    return step == cfg.steps or bool(every and step % every == 0)
 
 
 class StopOnSignal:
-    """A first Ctrl-C or SIGTERM sets `signum` (train); a second raises KeyboardInterrupt."""
+    """A first Ctrl-C or SIGTERM sets `signum`; a second raises KeyboardInterrupt."""
 
     def __enter__(self):
         self.signum = 0
@@ -2047,82 +2047,76 @@ class StopOnSignal:
             signal.signal(s, handler)
 
 
-WARM_UP_DIR = "warm-up"  # a stopped warm-up's model, tokenizer and warmup_state.pt
-
-
-def save_stopped_warm_up(out: Path, model, tokenizer, optimizer, step: int) -> None:
-    """out/warm-up/ after `step` warm-up steps, written as .tmp and renamed."""
-    tmp, final = out / f"{WARM_UP_DIR}.tmp", out / WARM_UP_DIR
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / "warmup_state.pt")
-    old = out / f"{WARM_UP_DIR}.old"
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 class Run:
-    """train's plumbing: the folder, data, model (warmed up, or resumed from the latest checkpoint),
-    optimiser and step 0's evaluation; after each step (end_step) its logs, checkpoint, evaluation,
-    and the exit after a signal."""
+    """train's plumbing, in a run's order: __init__ loads data and model, then writes the run's
+    files, warms up; evaluate_if_due; end_step (logs, checkpoint, evaluation); exit_if_stopped."""
 
     def __init__(self, cfg: Config, resume: bool, stop: StopOnSignal):
         self.cfg, self.stop = cfg, stop
-        self.out = out = Path(cfg.output_dir).expanduser()
-        check_output_dir(cfg, out, resume)
+        self.out = out = check_output_dir(cfg, resume)
         self.device = pick_device()
         torch.manual_seed(cfg.seed)
         self.train_rows, self.eval_rows = load_task_data(cfg)  # a bad data file fails here
+        reward_function(cfg.reward)  # and a bad --reward
         latest = checkpoints(out)[-1] if resume and checkpoints(out) else None
         state = load_trainer_state(latest)
         self.start = state["step"]
-        if stop.signum:
-            raise SystemExit(128 + stop.signum)  # nothing written yet
-        start_run_files(out, cfg, self.start)  # config.json first: --resume can continue from here
-        self.model, self.tokenizer, self.ref_model = load_policy(cfg, self.device, latest, out=out,
-                                                                 stop=stop)
+        self.model, self.tokenizer, self.ref_model = load_policy(cfg, self.device, latest)
         self.optimizer = make_optimizer(self.model, cfg)
         restore_trainer_state(state, self.optimizer, cfg)
-        if latest is None and needs_warm_up(cfg, cfg.model):  # the warm-up is kept: checkpoint-0
-            self.save(0)
-        shutil.rmtree(out / WARM_UP_DIR, ignore_errors=True)  # a checkpoint holds it now
+        logged = evaluations_by_step(read_jsonl(out / "metrics.jsonl"))
+        self.evaluations = {s: r for s, r in logged.items() if s <= self.start}  # (later: redone)
+        puzzles = puzzles_hash(self.eval_rows)
+        if self.evaluations.get(0, {}).get("eval/puzzles", puzzles) != puzzles:
+            raise ValueError("--resume: the evaluation's puzzles are not those step 0 scored: was "
+                             "--eval_data changed?")
+        if stop.signum:
+            raise SystemExit(128 + stop.signum)  # nothing written yet
+        start_run_files(out, cfg, self.start)  # config.json first: --resume continues from here
+        if latest is None and needs_warm_up(cfg, cfg.model):
+            warm_up(cfg, self.model, self.tokenizer, self.device,
+                    rows=warmup_puzzles(cfg, self.eval_rows), stop=stop)
+            self.save(0)  # the warm-up is kept: checkpoint-0
         self.log = MetricsLog(out, cfg, first_step=self.start)
+        self.stalled = 0  # steps in a row without spread (STALLED_STEPS)
         self.progress = tqdm(initial=self.start, total=cfg.steps, desc="train")
 
     def __enter__(self):
-        try:
-            due = evaluation_due(self.cfg, self.start) and not evaluated(self.out, self.start)
-            if due and not self.stop.signum:
-                self.evaluate(self.start)  # step 0, after the warm-up; or a run stopped before it
-            self.exit_if_stopped(self.start)
-        except BaseException:
-            self.__exit__()
-            raise
         return self
 
     def __exit__(self, *exc):
         self.progress.close()
         self.log.close()
 
-    def evaluate(self, step: int) -> None:
-        accuracy = evaluate(self.model, self.tokenizer, self.eval_rows, cfg=self.cfg,
-                            device=self.device)
-        log_evaluation(self.log, step, accuracy)
+    def evaluate_if_due(self, step: int) -> None:
+        """The evaluation at `step` (unless logged), with RL's gain; then exit after a signal."""
+        due_now = step == 0 or due(self.cfg.eval_every, step, self.cfg)
+        if due_now and step not in self.evaluations and not self.stop.signum:
+            record = evaluate(self.model, self.tokenizer, self.eval_rows, cfg=self.cfg,
+                              device=self.device)
+            step_0 = self.evaluations.get(0, {})
+            if step > 0 and step_0.get("eval/puzzles") == record["eval/puzzles"]:
+                record.update(paired_gain(step_0["eval/correct"], record["eval/correct"]))
+            self.evaluations[step] = {"step": step, **record}
+            self.log.write(self.evaluations[step])
+        self.exit_if_stopped(step)
 
     def end_step(self, step: int, rows, metrics: dict) -> None:
-        check_finite(self.model, step)
+        if not all(p.isfinite().all() for p in self.model.parameters()):
+            raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: "
+                             "continue from its last checkpoint: --resume --learning_rate LOWER")
         samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
         append_jsonl(self.out / "samples.jsonl", samples)
         self.log.write({"step": step, "learning_rate": self.cfg.learning_rate, **metrics})
-        if checkpoint_due(self.cfg, step) or self.stop.signum:
+        self.stalled = self.stalled + 1 if metrics["zero_std_groups"] == 1 else 0
+        if self.stalled == STALLED_STEPS:
+            print(f"\nnote: steps {step - STALLED_STEPS + 1}-{step}: in every group all samples "
+                  "scored alike (no advantage): the run has stopped learning; try a higher "
+                  "--temperature or --num_generations", file=sys.stderr)
+        if due(self.cfg.save_every, step, self.cfg) or self.stop.signum:
             self.save(step)
-        if evaluation_due(self.cfg, step) and not self.stop.signum:
-            self.evaluate(step)
         self.progress.update()
-        self.exit_if_stopped(step)
+        self.evaluate_if_due(step)
 
     def save(self, step: int) -> None:
         save_checkpoint(self.out, self.model, self.tokenizer, optimizer=self.optimizer, step=step)
@@ -2130,7 +2124,7 @@ class Run:
     def exit_if_stopped(self, step: int) -> None:
         if not self.stop.signum:
             return
-        if not (self.out / f"checkpoint-{step}").exists():  # the signal came during an evaluation
+        if not (self.out / f"checkpoint-{step}").exists():  # (a signal during an evaluation)
             self.save(step)
         print(f"lopti.py train: stopped after step {step}, saved; continue with --resume",
               file=sys.stderr)
@@ -2140,26 +2134,25 @@ class Run:
 # --- Evaluation, and RL's gain over step 0
 
 
+def puzzles_hash(rows) -> str:
+    return hashlib.sha256("\n".join(rows["quiz"]).encode()).hexdigest()[:12]
+
+
 def evaluate(model, tokenizer, rows, cfg: Config, device: torch.device) -> dict:
     """Greedy accuracy (reward 3), per size too with the mean reward, constant_accuracy, each
-    puzzle's outcome (eval/correct: "0110..."), and, given a `twin` column, the accuracy on puzzles
-    without a twin."""
+    puzzle's outcome (eval/correct: "0110..."), the puzzles' hash (eval/puzzles)."""
     rewards, sizes = [], []
     for i in range(0, len(rows), cfg.eval_batch_size):
         chunk = rows[i:i + cfg.eval_batch_size]
         prompts = [kk_prompt(tokenizer, quiz) for quiz in chunk["quiz"]]
         texts = rollout(model, tokenizer, prompts, cfg, device, greedy=True)["texts"]
-        rewards += kk_rewards(texts, chunk["solution_text_format"]).tolist()
+        rewards += score(cfg, texts, chunk["solution_text_format"]).tolist()
         sizes += chunk["num_people"]
     correct = [reward == KK_MAX_REWARD for reward in rewards]
     out = {"eval/accuracy": sum(correct) / len(correct),
            "eval/constant_accuracy": constant_accuracy(rows),
            "eval/correct": "".join("1" if c else "0" for c in correct),
-           "eval/puzzles": hashlib.sha256("\n".join(rows["quiz"]).encode()).hexdigest()[:12]}
-    if "twin" in rows.column_names:
-        no_twin = [c for c, twin in zip(correct, rows["twin"]) if not twin]
-        out["eval/twins"] = len(correct) - len(no_twin)
-        out["eval/accuracy_no_twin"] = sum(no_twin) / len(no_twin) if no_twin else None
+           "eval/puzzles": puzzles_hash(rows)}
     for n in sorted(set(sizes)):
         of_size = [reward for reward, size in zip(rewards, sizes) if size == n]
         out[f"eval/accuracy_{n}ppl"] = of_size.count(KK_MAX_REWARD) / len(of_size)
@@ -2176,7 +2169,7 @@ def sign_test_p(gained: int, lost: int) -> float:
 
 
 def paired_gain(before: str, after: str) -> dict:
-    """From two evaluations' eval/correct: the accuracy change, puzzles gained and lost, and p."""
+    """From two evaluations' eval/correct: the accuracy change, puzzles gained, lost, and p."""
     assert len(before) == len(after), "two evaluations of the same puzzles"
     gained = sum(b == "0" and a == "1" for b, a in zip(before, after))
     lost = sum(b == "1" and a == "0" for b, a in zip(before, after))
@@ -2184,80 +2177,80 @@ def paired_gain(before: str, after: str) -> dict:
             "eval/gain_p": sign_test_p(gained, lost)}
 
 
-def log_evaluation(log: MetricsLog, step: int, record: dict) -> None:
-    """The record, with RL's gain over step 0 if both evaluated the same puzzles (eval/puzzles)."""
-    step_0 = [r for r in read_jsonl(log.path) if r["step"] == 0 and "eval/correct" in r]
-    same_puzzles = bool(step_0) and step_0[0].get("eval/puzzles") == record["eval/puzzles"]
-    if step > 0 and same_puzzles:
-        record.update(paired_gain(step_0[0]["eval/correct"], record["eval/correct"]))
-    elif step > 0 and step_0:
-        print(f"note: step {step} evaluated other puzzles than step 0 (eval/puzzles): no RL gain")
-    log.write({"step": step, **record})
+def eval_main(cfg: Config) -> dict:
+    device = pick_device()
+    eval_rows = evaluation_rows(cfg)
+    reward_function(cfg.reward)  # a bad --reward: one line before the model loads
+    model = load_model(cfg.model, device)
+    tokenizer = load_tokenizer(cfg.model)
+    return evaluate(model, tokenizer, eval_rows, cfg, device)
 
 
-# --- diagnose
+# --- diagnose: Figure 1 on a first batch, Figure 3 paired along a trajectory
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     """Figure 1 (measure_bins) on the first batch; with `steps`, Figure 3 paired along a trajectory
-    of cfg's method (fresh optimiser): each step tries the other methods (paired_counts), then
-    applies its own. Writes the JSON `out`; cfg.model is only read."""
+    of cfg's method: train_step's probe tries every other method from the same weights
+    (paired_counts) before its own update. `out` is rewritten after every step; cfg.model is only
+    read."""
     cfg = dataclasses.replace(cfg, measure_update=True)
-    device = pick_device()
     own = method_name(asdict(cfg))
     if own not in METHODS or cfg.num_iterations != 1:
         raise ValueError(f"diagnose's trajectory is one of {', '.join(METHODS)} at one epoch")
+    device = pick_device()
     torch.manual_seed(cfg.seed)
-    train_rows = load_task_data(cfg)[0]
+    train_rows, eval_rows = load_task_data(cfg)
     model, tokenizer, ref_model = load_policy(cfg, device)
+    if needs_warm_up(cfg, cfg.model):
+        warm_up(cfg, model, tokenizer, device, rows=warmup_puzzles(cfg, eval_rows))
     optimizer = make_optimizer(model, cfg)
-    methods = tuple(METHODS)
+    result = {"settings": config_record(cfg), "model": cfg.model, "bins": BIN_NAMES}
     units = []
-    result = {"model": cfg.model, "bins": BIN_NAMES}
 
-    def logprob_fn(micro_batch: dict) -> Tensor:
-        with autocast(device):
-            return completion_logprobs(model, micro_batch, cfg.temperature)
+    def figure1(batch: dict) -> None:  # in fp32 (no autocast), as its gradients sum in fp64
+        if "figure1" not in result:
+            logprob_fn = functools.partial(completion_logprobs, model, temperature=cfg.temperature)
+            result["figure1"] = measure_bins(cfg.micro_batch_size, model.train(), logprob_fn, batch)
+
+    def probe(batch: dict, measure: UpdateMeasure, logprob_fn: Callable) -> dict:
+        figure1(batch)
+        others = [m for m in METHODS if m != own]
+        units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure.logprobs,
+                                   measure.before, others))
+        return {}
 
     for step in range(max(steps, 1)):
         t0 = time.perf_counter()
         rows = train_rows[step_rows(len(train_rows), cfg, step)]
-        batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer, rows, device)
-        model.train()
-        if "figure1" not in result:  # in fp32 (no autocast), as its gradients are summed in fp64
-            fp32_logprobs = functools.partial(completion_logprobs, model,
-                                              temperature=cfg.temperature)
-            result["figure1"] = measure_bins(cfg.micro_batch_size, model, fp32_logprobs, batch)
-        if steps:
-            measure = UpdateMeasure(cfg, model, batch, device)
-            model.train()
-            others = [m for m in methods if m != own]
-            units.append(paired_counts(cfg, model, optimizer, logprob_fn, batch, measure.after,
-                                       measure.before, others))
-            update_policy(cfg, logprob_fn, optimizer, batch)
-            metrics.update(measure.counts())
+        if not steps:
+            batch, metrics = rollout_and_score(cfg, model, ref_model, tokenizer, rows, device)
+            figure1(batch)
+        else:
+            metrics = train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device,
+                                 probe=probe)
+            units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
+            result["figure3_paired"] = figure3_paired(units)
         print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s",
               flush=True)
-        if steps:  # the JSON is rewritten after every step: a stopped run keeps its steps
-            units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
-            pooled = {m: pool_counts([u[m] for u in units]) for m in methods}
-            summed = {m: {k.removeprefix("update/"): v for k, v in c.items()}
-                      for m, c in pooled.items()}
-            deltas = paired_deltas(units)
-            result["figure3_paired"] = {
-                "steps": len(units), "delta_vs_grpo": deltas,
-                "delta_vs_grpo_2_epochs": paired_deltas(units, "grpo_2_epochs"),
-                "delta_vs_lopti": paired_deltas(units, "lopti"), "per_step": units,
-                "methods": summed}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-    for method, counts in pooled.items() if steps else ():
-        shares = figure3_shares(counts)
-        line = f"{method}: rose {fmt_list(shares['rose'])}, ties {fmt_list(shares['ties'])}"
-        if method != "grpo":
-            line += f", minus GRPO's {fmt_list(deltas[method]['delta'], '+.3f')}"
-        print(line)
+        write_json(out, result)
+    for method, counts in result.get("figure3_paired", {}).get("methods", {}).items():
+        shares = figure3_shares({f"update/{k}": v for k, v in counts.items()})
+        print(f"{method}: rose {fmt_list(shares['rose'])}, ties {fmt_list(shares['ties'])}")
     return result
+
+
+def figure3_paired(units: list[dict]) -> dict:
+    """paired_deltas of diagnose's steps vs GRPO, two-epoch GRPO and Lopti; the counts summed."""
+    pooled = {m: pool_counts([u[m] for u in units]) for m in METHODS}
+    return {"steps": len(units), "delta_vs_grpo": paired_deltas(units),
+            "delta_vs_grpo_2_epochs": paired_deltas(units, "grpo_2_epochs"),
+            "delta_vs_lopti": paired_deltas(units, "lopti"), "per_step": units,
+            "methods": {m: {k.removeprefix("update/"): v for k, v in c.items()}
+                        for m, c in pooled.items()}}
+
+
+# --- Reading runs: compare, plot
 
 
 def read_run(run: Path) -> tuple[dict, list[dict]]:
@@ -2265,7 +2258,7 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
     if not (run / "config.json").is_file() or not (run / "metrics.jsonl").is_file():
         raise ValueError(f"{run} is not a folder written by lopti.py train (no config.json and "
                          "metrics.jsonl)")
-    return json.loads((run / "config.json").read_text()), read_jsonl(run / "metrics.jsonl")
+    return read_config(run / "config.json"), read_jsonl(run / "metrics.jsonl")
 
 
 def evaluations_by_step(records: list[dict]) -> dict[int, dict]:
@@ -2273,27 +2266,23 @@ def evaluations_by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if "eval/correct" in r}
 
 
-EVALUATION_DRAW = ("seed", "num_people", "eval_data", "eval_size", "train_data", "num_train",
-                   "warmup_steps", "prompts_per_step")  # what decides the evaluation's puzzles
-
-
 def compare_runs(run_a: Path, run_b: Path) -> dict:
-    """Two runs' accuracies at the last step both evaluated, on the same puzzles (eval/puzzles),
-    and B's paired gain over A with McNemar's exact p."""
+    """Two runs' accuracies at the last step both evaluated on the same puzzles (eval/puzzles), and
+    B's paired gain over A with McNemar's exact p."""
     (cfg_a, records_a), (cfg_b, records_b) = read_run(run_a), read_run(run_b)
     evals_a, evals_b = evaluations_by_step(records_a), evaluations_by_step(records_b)
     common = sorted(set(evals_a) & set(evals_b))
     if not common:
         raise ValueError(f"{run_a} and {run_b} have no evaluated step in common")
-    a, b = evals_a[common[-1]], evals_b[common[-1]]
-    # The puzzles' hash, or for runs older than it the settings that draw them
-    same = a.get("eval/puzzles") == b.get("eval/puzzles")
-    if "eval/puzzles" not in a and "eval/puzzles" not in b:
-        same = all(cfg_a.get(k) == cfg_b.get(k) for k in EVALUATION_DRAW)
-    if not same:
-        raise ValueError(f"{run_a} and {run_b} evaluated different puzzles (eval/puzzles, or "
-                         f"{', '.join(EVALUATION_DRAW)}): not comparable")
-    out = {"step": common[-1], "puzzles": len(a["eval/correct"]), "runs": []}
+    step = common[-1]
+    a, b = evals_a[step], evals_b[step]
+    if a.get("eval/puzzles") is None or a.get("eval/puzzles") != b.get("eval/puzzles"):
+        raise ValueError(f"{run_a} and {run_b} evaluated different puzzles at step {step} "
+                         "(eval/puzzles): not comparable")
+    if step != max(evals_a) or step != max(evals_b):
+        print(f"note: step {step} is the last step both evaluated, not the last of each "
+              f"({max(evals_a)}, {max(evals_b)})")
+    out = {"step": step, "puzzles": len(a["eval/correct"]), "runs": []}
     for run, cfg, record in ((run_a, cfg_a, a), (run_b, cfg_b, b)):
         out["runs"].append({"run": str(run), "method": method_name(cfg), "seed": cfg["seed"],
                             "accuracy": record["eval/accuracy"]})
@@ -2309,13 +2298,8 @@ def compare_runs(run_a: Path, run_b: Path) -> dict:
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("plot needs matplotlib: pip install matplotlib") from None
-    loaded = [read_run(run) for run in runs]
+    loaded = [read_run(run) for run in runs]  # (a folder that is not a run: said first)
+    plt = pyplot()
     puzzles = {r.get("eval/puzzles") for _, records in loaded for r in records
                if "eval/correct" in r}
     if len(puzzles) > 1:
@@ -2358,8 +2342,12 @@ def _lopti_grpo_trainer_class():
                    dual_clip=dual_clip)  # checks the values
             assert args.loss_type == "dapo", \
                 "LoptiGRPOTrainer's loss is the token-mean: loss_type='dapo'"
+            # TRL's compute_loss must reach _compute_loss: the liger kernel's loss goes around it
+            assert "self._compute_loss(" in inspect.getsource(GRPOTrainer.compute_loss), \
+                "LoptiGRPOTrainer needs a trl whose compute_loss calls _compute_loss (1.16.0 does)"
             unapplied = {"importance_sampling_level": "token", "delta": None,
-                         "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None}
+                         "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None,
+                         "use_liger_kernel": False}
             if args.use_vllm:
                 unapplied["vllm_importance_sampling_correction"] = False
             ignored = {k: getattr(args, k, v) for k, v in unapplied.items()
@@ -2443,11 +2431,11 @@ PRESETS: dict[str, dict] = {
                   mini_batch_size=16, micro_batch_size=4, beta=0.0, warmup_steps=60,
                   warmup_learning_rate=1e-4, gradient_checkpointing=True, eval_size=32,
                   eval_every=25, save_every=25, output_dir="runs/colab"),
-    # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length. Figure 3's measurement
-    # (two fp32 forwards, estimated at 0.65-1.2x a bf16 step on H100-A100) is off
+    # one 80 GB GPU: the paper's Qwen2.5-3B at half its batch and length, the official 100 puzzles
+    # per size (README). Figure 3's measurement (two fp32 passes) is off
     "gpu": dict(prompts_per_step=32, max_completion_length=2048, mini_batch_size=128,
-                micro_batch_size=8, generation_batch_size=128, steps=150, eval_every=25,
-                save_every=25, gradient_checkpointing=True, measure_update=False,
+                micro_batch_size=8, generation_batch_size=128, steps=150, eval_size=100,
+                eval_every=25, save_every=25, gradient_checkpointing=True, measure_update=False,
                 output_dir="runs/gpu"),
 }
 
@@ -2488,8 +2476,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(ToySettings):
         toy.add_argument(f"--{f.name}", type=type(f.default), help=f"default {f.default}")
     toy.add_argument("--quick", action="store_true", help=f"a smoke test: {TOY_QUICK}")
-    toy.add_argument("--out", type=_path, help="folder for results.json and figures.png (default "
-                     "runs/toy/; --out toy rewrites the committed ones)")
+    toy.add_argument("--out", type=_path, help="folder of results.json, figures.png (default "
+                     "runs/toy/)")
     docs = _field_docs()
     kinds = {"float": float, "int": int, "str": str, "bool": _parse_bool}
     commands = (("train", "GRPO (+AR, +Lopti) on Knights and Knaves"),
@@ -2505,8 +2493,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{docs[f.name]} (default {f.default!r})")
     may_change = ", ".join(RESUME_MAY_CHANGE)
     sub.choices["train"].add_argument("--resume", action="store_true", help="continue the run in "
-                                      "--output_dir from its latest checkpoint; flags may change "
-                                      f"only {may_change}")
+                                      f"--output_dir; flags may change only {may_change}")
     sub.choices["diagnose"].add_argument("--out", type=_path, default=Path("diagnose.json"),
                                          help="the JSON to write (default diagnose.json)")
     plot = sub.add_parser("plot", help="learning curves of runs")
@@ -2518,37 +2505,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: dict) -> Config:
-    """Defaults < preset < explicit flags; --resume: the run's config.json < explicit flags."""
+    """Defaults < preset < explicit flags. --resume: the run's config.json < explicit flags; so too
+    eval of a run's checkpoint (RUN/checkpoint-N), which then scores the run's own puzzles."""
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     base = PRESETS[args["preset"]] if "preset" in args else {}
-    if args.get("resume"):
-        out = Path({**base, **explicit}.get("output_dir", Config.output_dir)).expanduser()
-        try:
-            saved = json.loads((out / "config.json").read_text())
-            saved.pop("method", None)
-            checked = Config(**{**saved, "report_to": "none"})  # (its logger: with the flags)
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"--resume: {out} holds no run of lopti.py ({_first_line(e)})") from e
-        base = {**asdict(checked), "report_to": saved.get("report_to", "none"),
-                "output_dir": str(out)}
-    return Config(**{**base, **explicit})
+    if args["command"] == "eval":  # of a run's checkpoint: the run's settings
+        model = Path(explicit.get("model", Config.model)).expanduser()
+        run = model.parent
+        from_run = (model / "trainer_state.pt").is_file() and (run / "config.json").is_file()
+    else:
+        run = Path({**base, **explicit}.get("output_dir", Config.output_dir)).expanduser()
+        from_run = args.get("resume")
+    if not from_run:
+        return Config(**{**base, **explicit})
+    if not (run / "config.json").is_file():
+        raise ValueError(f"--resume: {run} holds no run of lopti.py (no config.json)")
+    saved = {**read_config(run / "config.json"), "output_dir": str(run)}
+    if args["command"] == "eval":
+        print(f"evaluating with {run}/config.json's settings (flags override)", file=sys.stderr)
+        saved["report_to"] = "none"
+    try:
+        Config(**{**saved, "report_to": "none"})  # (the logger is checked with the flags)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{run}/config.json: {e}") from None
+    return Config(**{**saved, **explicit})
 
 
-def check_diagnose_out(out: Path) -> None:
-    """Before any work: a .json file that is new or an earlier diagnose's, in a writable folder."""
-    if out.suffix != ".json" or out.is_dir():
-        raise ValueError(f"--out {out} must name a .json file")
-    if out.exists():
-        try:
-            earlier = json.loads(out.read_text())
-        except (ValueError, UnicodeDecodeError):
-            earlier = None
-        if not (isinstance(earlier, dict) and "figure1" in earlier):
-            raise ValueError(f"--out {out} exists and is not diagnose's: choose another --out")
-        print(f"replacing {out}, an earlier diagnose's output")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"--out {out} is not writable")
+def check_replaceable(path: Path, key: str, command: str) -> None:
+    """Before any work: `path` is new, or a JSON file with `key` that `command` wrote earlier."""
+    if not path.exists():
+        return
+    try:
+        earlier = json.loads(path.read_text())
+    except (ValueError, OSError):
+        earlier = None
+    if not (isinstance(earlier, dict) and key in earlier):
+        raise ValueError(f"{path} exists and is not {command}'s output: choose another --out")
 
 
 def toy_main(args: argparse.Namespace) -> dict:
@@ -2556,6 +2548,9 @@ def toy_main(args: argparse.Namespace) -> dict:
              if getattr(args, f.name, None) is not None}
     settings = ToySettings(**{**(TOY_QUICK if args.quick else {}), **given})
     out = args.out or Path("runs/toy")
+    check_replaceable(out / "results.json", "prop_4_2", "toy")
+    if (out / "figures.png").exists() and not (out / "results.json").exists():
+        check_replaceable(out / "figures.png", "prop_4_2", "toy")  # (a figure of another program)
     threads = torch.get_num_threads()
     t0 = time.time()
     torch.set_num_threads(1)  # faster for small matrices; the same float sums on every machine
@@ -2564,28 +2559,33 @@ def toy_main(args: argparse.Namespace) -> dict:
     finally:
         torch.set_num_threads(threads)
     result["checks"] = toy_checks(result)
+    result["version"] = lopti_version()
     print("\n".join(result["checks"]))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out / "results.json", result)
     wrote = [out / "results.json"]
     try:
         plot_toy(result, out / "figures.png")
         wrote.append(out / "figures.png")
-    except ImportError:
+    except ValueError:
         print("(pip install matplotlib: figures.png too)")
     print(f"wrote {', '.join(map(str, wrote))} in {time.time() - t0:.1f} s")
     return result
 
 
 OUT_OF_MEMORY = ("out of memory: lower --micro_batch_size (update and log-prob passes), "
-                 "--generation_batch_size (rollout) or --eval_batch_size; continue a run with "
-                 "--resume (README: Troubleshooting)")
+                 "--generation_batch_size (rollout) or --eval_batch_size; then --resume")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     """A bad value or file: one line, exit 2; out of memory: one line naming the settings to lower,
-    exit 1; Ctrl-C or SIGTERM during train saves, then exits 130 or 143."""
+    exit 1; Ctrl-C or SIGTERM: train saves, then exits 130 or 143; the rest exit so at once."""
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # (train's StopOnSignal overrides it)
     try:
         if args.command == "toy":
             toy_main(args)
@@ -2600,26 +2600,26 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "train":
                 print(f"done: {train(cfg, resume=getattr(args, 'resume', False))}")
             elif args.command == "diagnose":
-                check_diagnose_out(args.out)
+                if args.out.suffix != ".json" or args.out.is_dir():
+                    raise ValueError(f"--out {args.out} must name a .json file")
+                check_replaceable(args.out, "figure1", "diagnose")
+                args.out.parent.mkdir(parents=True, exist_ok=True)
                 diagnose(cfg, vars(args).get("steps", 0), args.out)  # only an explicit --steps
             else:
-                device = pick_device()
-                eval_rows = load_task_data(cfg)[1]
-                model = load_model(cfg.model, device)
-                tokenizer = load_tokenizer(cfg.model)
-                print(json.dumps(evaluate(model, tokenizer, eval_rows, cfg, device), indent=2))
+                print(json.dumps(eval_main(cfg), indent=2))
     except (ValueError, OSError) as e:  # a bad value, file or model name, or a folder not a run
         print(f"lopti.py {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError))
-        if not out_of_memory and "can't allocate memory" not in str(e):
+        if not is_out_of_memory(e):
             raise
         print(f"lopti.py {args.command}: {OUT_OF_MEMORY}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(f"lopti.py {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + (e.args[0] if e.args else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -1,23 +1,21 @@
 """The size and shape budgets, reported as numbers so that a failure says how far over each one is.
 
-The first read (lopti.py above "A first read can stop here") holds the paper's path alone: at most 600 lines and
-33,000 characters (the goal: 550 and 30,000), and every name of the module docstring's paper-to-code map defined
+The first read (lopti.py above "A first read can stop here") holds the paper's path alone: at most 576 lines and
+31,600 characters (the goal: 550 and 30,000), and every name of the module docstring's paper-to-code map defined
 there. No line of lopti.py is over 100 columns, and none has a `noqa`. The READMEs: 11,000 and 22,000 characters.
 
-The whole file's ratchet may shrink, never grow, except where honest work cannot fit, said here: 108,000 characters;
-112,900 when the machinery left the first read; 135,100 for issues 45-48 (about +22k: every method's rewards paired
-in the toy, its figures and 2 processes, 4k; `compare`, run folders read and checked, 3k; Run, whose signal handling
-covers the warm-up, saved and resumed, and a run whose model never loaded restartable, 6k; own rows checked field by
-field and read in memory, the puzzle-count trap, 4k; lm_logprobs, the differences list, UpdateMeasure, 3.5k; every
-line within 100 columns, 1k; less 0.6k of prose). What remains below the banner is code that those features use;
-cutting it means cutting a feature."""
+The whole file's ratchet may shrink, never grow: 108,000 characters; 112,900 when the machinery left the first read;
+135,100 for issues 45-48; then the figure landed by the issue that set out to bring it back to 112,900 (twins, the
+saved partial warm-up, EVALUATION_DRAW, LOPTI_CPU_BF16, check_diagnose_out and diagnose's copy of train_step out; the
+--reward flag with checks where rewards enter, the version in every result file, eval of a run's checkpoint, the
+stall note and the TRL refusals in). The first read: 576 lines and 31,600 characters."""
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_CHARS = {"lopti.py": 135_100, "README.md": 11_000, "toy/README.md": 22_000}
-FIRST_READ_LINES, FIRST_READ_CHARS = 600, 33_000
+MAX_CHARS = {"lopti.py": 135_043, "README.md": 11_000, "toy/README.md": 22_000}
+FIRST_READ_LINES, FIRST_READ_CHARS = 576, 31_600
 
 
 def first_read() -> list[str]:

@@ -4,9 +4,12 @@ plot's PNG, and every Python block of README.md run as written."""
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import shlex
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,13 @@ TINY_FLAGS = ["--prompts_per_step", "2", "--num_generations", "4", "--max_comple
 def varied_rewards(completions, solutions):
     """kk_rewards' shape with variance inside groups (a random tiny model always scores -3: no advantage)."""
     return torch.tensor([varied_reward(c, s) for c, s in zip(completions, solutions)])
+
+
+def use_rewards(monkeypatch, function) -> None:
+    """lopti.kk_rewards (--reward kk) replaced by `function`; reward_function, which caches the function of "kk",
+    reads it afresh meanwhile (so its cache never holds the stand-in)."""
+    monkeypatch.setattr(lopti, "kk_rewards", function)
+    monkeypatch.setattr(lopti, "reward_function", getattr(lopti.reward_function, "__wrapped__", lopti.reward_function))
 
 
 def parsed(argv: list[str]) -> dict:
@@ -58,7 +68,7 @@ def cli_run(tiny_model_dir, tmp_path_factory) -> Path:
     end."""
     out = tmp_path_factory.mktemp("cli") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lopti, "kk_rewards", varied_rewards)
+        use_rewards(mp, varied_rewards)
         assert lopti.main(["train", "--model", str(tiny_model_dir), "--output_dir", str(out), *TINY_FLAGS,
                            "--steps", "2", "--lopti", "false"]) == 0
     return out
@@ -146,26 +156,34 @@ def test_train_writes_a_run_with_the_flags_it_was_given(cli_run):
 
 def test_eval_prints_accuracy_and_the_constant_answers_as_json(cli_run, tmp_path, capsys, monkeypatch):
     """Puzzles A, A, B (A's and B's solutions differ; all 3 people) and a reward of 3 for B's solution only:
-    accuracy 1/3, mean reward (-3 - 3 + 3) / 3 = -1, and the constant answer (A's roles) right on 2 of 3."""
+    accuracy 1/3, mean reward (-3 - 3 + 3) / 3 = -1, and the constant answer (A's roles) right on 2 of 3. A run's
+    checkpoint is evaluated with the run's settings (said), flags overriding them; without --eval_data, on the
+    puzzles the run scored at step 0."""
     rows = [json.loads(x) for x in (DATA / "3ppl_20.jsonl").read_text().splitlines()]
     a = rows[0]
     b = next(r for r in rows if r["solution"] != a["solution"])
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (a, a, b)))
-    monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions: torch.tensor(
+    use_rewards(monkeypatch, lambda texts, solutions: torch.tensor(
         [3.0 if s == b["solution_text_format"] else -3.0 for s in solutions]))
     capsys.readouterr()
     assert lopti.main(["eval", "--model", str(cli_run / "checkpoint-2"), "--eval_data", str(tmp_path / "eval.jsonl"),
                        "--num_train", "8", "--num_people", "3", "--max_completion_length", "2",
                        "--eval_batch_size", "2"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert f"evaluating with {cli_run}" in printed.out + printed.err
     puzzles = hashlib.sha256("\n".join([a["quiz"], a["quiz"], b["quiz"]]).encode()).hexdigest()[:12]
     assert out == pytest.approx({"eval/accuracy": 1 / 3, "eval/constant_accuracy": 2 / 3, "eval/correct": "001",
-                                 "eval/puzzles": puzzles, "eval/twins": 0, "eval/accuracy_no_twin": 1 / 3,
-                                 "eval/accuracy_3ppl": 1 / 3, "eval/reward_3ppl": -1.0})
+                                 "eval/puzzles": puzzles, "eval/accuracy_3ppl": 1 / 3, "eval/reward_3ppl": -1.0})
+    assert lopti.main(["eval", "--model", str(cli_run / "checkpoint-2"), "--max_completion_length", "2"]) == 0
+    step_0 = lopti.read_jsonl(cli_run / "metrics.jsonl")[0]
+    assert json.loads(capsys.readouterr().out)["eval/puzzles"] == step_0["eval/puzzles"]
 
 
 def test_diagnose_writes_figures_1_and_3_paired_and_only_reads_the_model(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(lopti, "kk_rewards", varied_rewards)
+    """diagnose's JSON: Figure 1's bins on the first batch, Figure 3 paired per step and pooled, and its settings
+    (every Config field, the method and the version); the model's files are only read."""
+    use_rewards(monkeypatch, varied_rewards)
     before, out = digest(tiny_model_dir), tmp_path / "d.json"
     flags = [f for f in TINY_FLAGS if f != "--save_every"]  # (train's: diagnose refuses it)
     flags.remove(TINY_FLAGS[TINY_FLAGS.index("--save_every") + 1])
@@ -173,6 +191,10 @@ def test_diagnose_writes_figures_1_and_3_paired_and_only_reads_the_model(tiny_mo
                        "--out", str(out)]) == 0
     assert digest(tiny_model_dir) == before
     result = json.loads(out.read_text())
+    settings = result["settings"]
+    assert set(settings) == {f.name for f in dataclasses.fields(Config)} | {"method", "version"}
+    assert settings["model"] == str(tiny_model_dir) and settings["measure_update"] is True
+    assert settings["method"] == "ar_lopti" and settings["version"] == lopti.lopti_version()
     fig1 = result["figure1"]
     assert len(fig1["token_share"]) == 4 and sum(fig1["token_share"]) == pytest.approx(1.0)
     assert len(fig1["grad_norm"]["bins"]) == 4 and fig1["grad_norm"]["all"] > 0
@@ -197,6 +219,28 @@ def test_plot_writes_a_png(cli_run, tmp_path):
     pytest.importorskip("matplotlib")
     assert lopti.main(["plot", str(cli_run), "--out", str(tmp_path / "out.png")]) == 0
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("command,target", [("eval", "eval_main"), ("toy", "toy_main")])
+def test_sigterm_ends_eval_and_toy_at_once_with_143(command, target, monkeypatch, capsys):
+    """SIGTERM (a scheduler) interrupts eval and toy where they are: one line, exit 128 + 15, and the handler that
+    was there before is back (the one here fails the test if the signal reaches it)."""
+    def reached(*args):
+        pytest.fail("SIGTERM reached the handler that main replaces")
+
+    def sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        pytest.fail("SIGTERM did not interrupt the command")
+
+    monkeypatch.setattr(lopti, target, sigterm)
+    before = signal.signal(signal.SIGTERM, reached)
+    try:
+        assert exit_code([command]) == 143
+        assert signal.getsignal(signal.SIGTERM) is reached
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    one_line(capsys, f"lopti.py {command}: interrupted")
 
 
 # --- the README: its commands parse, its Python blocks run
@@ -259,7 +303,7 @@ def test_readme_python_block_runs_as_written(i, tiny_model_dir, tmp_path, monkey
                      **({} if torch.cuda.is_available() else dict(use_cpu=True)))
         monkeypatch.setattr(trl, "GRPOConfig", lambda *a, **k: real_config(*a, **{**k, **small}))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(lopti, "kk_rewards", lopti.kk_rewards)  # (a block may replace it: restored after)
+    use_rewards(monkeypatch, lopti.kk_rewards)  # (a block may replace it: restored after)
     exec(compile(block, f"README python block {i}", "exec"), {"__name__": "readme"})
 
 
@@ -272,7 +316,7 @@ def test_report_to_tensorboard_logs_every_record_of_metrics_jsonl_and_the_config
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    monkeypatch.setattr(lopti, "kk_rewards", varied_rewards)
+    use_rewards(monkeypatch, varied_rewards)
     assert lopti.main(["train", "--model", str(tiny_model_dir), "--output_dir", str(out), *TINY_FLAGS,
                        "--steps", "2", "--report_to", "tensorboard"]) == 0
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
@@ -312,7 +356,7 @@ def test_a_resumed_tensorboard_run_logs_each_redone_step_once(tiny_model_dir, tm
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, real_save = tmp_path / "run", lopti.save_checkpoint
-    monkeypatch.setattr(lopti, "kk_rewards", varied_rewards)
+    use_rewards(monkeypatch, varied_rewards)
 
     def killed_at_step_2(out, model, tokenizer, optimizer, step):
         if step == 2:
@@ -330,15 +374,6 @@ def test_a_resumed_tensorboard_run_logs_each_redone_step_once(tiny_model_dir, tm
     events.Reload()
     assert [e.step for e in events.Scalars("reward")] == [1, 2]
     assert [r["step"] for r in lopti.read_jsonl(out / "metrics.jsonl") if "reward" in r] == [1, 2]
-
-
-def test_the_readme_chat_line_runs_on_a_checkpoint(tiny_model_dir, monkeypatch, capsys):
-    """README's "After training" chat line (transformers' pipeline on a checkpoint), on the tiny model's folder."""
-    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith('python -c "'))
-    code = shlex.split(line)[2].replace("runs/cpu/checkpoint-20", str(tiny_model_dir))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    exec(compile(code, "README chat line", "exec"), {"__name__": "readme"})
-    assert capsys.readouterr().out.startswith("Who is a knight?")
 
 
 def test_a_tensorboard_run_resumed_from_checkpoint_0_logs_each_step_once(tmp_path):

@@ -20,8 +20,8 @@ def _varied_rewards(completions, solutions):
 def _step(model_dir, monkeypatch, optimizer=None, **overrides):
     """One train_step of the tiny model on 2 prompts x 4 samples; returns its metrics and each batched_logprobs call's
     fp32 flag."""
-    monkeypatch.setattr(lopti, "kk_rewards", _varied_rewards)
-    cfg = tiny_config(model_dir, "unused", beta=0.0, temperature=1.0, mini_batch_size=8, **overrides)
+    cfg = tiny_config(model_dir, "unused", beta=0.0, temperature=1.0, mini_batch_size=8,
+                      **{"reward": _varied_rewards, **overrides})
     model, tok = lopti.load_model(str(model_dir), CPU), lopti.load_tokenizer(str(model_dir))
     calls = []
 
@@ -39,7 +39,7 @@ def _step(model_dir, monkeypatch, optimizer=None, **overrides):
 def test_a_token_whose_weights_did_not_move_compares_equal(tiny_model_dir, monkeypatch, bf16):
     """Before and after come from one pass (pi_old's, or under bf16 an fp32 pass): after an update that moves no
     weight (SGD at lr 0) no token rose or fell, in fp32 and under bf16 autocast; an AdamW step moves them."""
-    monkeypatch.setenv("LOPTI_CPU_BF16", "1" if bf16 else "0")
+    monkeypatch.setattr(lopti, "has_bf16", lambda device: bf16)  # (CPU autocast takes bf16 too)
     m, _ = _step(tiny_model_dir, monkeypatch, lambda model: torch.optim.SGD(model.parameters(), lr=0.0))
     assert sum(m["update/pos_tokens"]) > 0 and sum(m["update/neg_tokens"]) > 0
     for k in ("pos_rose", "pos_fell", "neg_fell", "neg_rose"):
@@ -52,9 +52,9 @@ def test_under_bf16_the_measurement_is_fp32_and_agrees_with_an_independent_one(t
     """An update at lr 1e-6 moves a log-prob far less than bf16's rounding: under bf16, before and after are fp32
     passes, and the counts equal an fp32 recomputation of the whole batch with the weights from before and after
     the step (binned by training's pi_old); a bf16 measurement would count otherwise."""
-    monkeypatch.setenv("LOPTI_CPU_BF16", "1")
-    monkeypatch.setattr(lopti, "kk_rewards", _varied_rewards)
-    cfg = tiny_config(tiny_model_dir, "unused", beta=0.0, temperature=1.0, mini_batch_size=8, learning_rate=1e-6)
+    monkeypatch.setattr(lopti, "has_bf16", lambda device: True)  # the bf16 path, on CPU
+    cfg = tiny_config(tiny_model_dir, "unused", beta=0.0, temperature=1.0, mini_batch_size=8, learning_rate=1e-6,
+                      reward=_varied_rewards)
     model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
     start, seen = copy.deepcopy(model), {}
 
@@ -78,20 +78,20 @@ def test_under_bf16_the_measurement_is_fp32_and_agrees_with_an_independent_one(t
 
 
 def test_switched_off_it_runs_no_forward(tiny_model_dir, monkeypatch):
-    """measure_update true costs one no-grad pass after the update (fp32 path); false none, and no update/ key."""
+    """measure_update true costs one no-grad fp32 pass after the update (without bf16, before is pi_old's); false
+    none, and no update/ key."""
     on, calls_on = _step(tiny_model_dir, monkeypatch)
     off, calls_off = _step(tiny_model_dir, monkeypatch, measure_update=False)
-    assert len(calls_on) == 2 and len(calls_off) == 1  # pi_old's pass, then (on) the measurement's
+    assert calls_on == [False, True] and calls_off == [False]  # pi_old's pass, then (on) the measurement's
     assert not [k for k in off if k.startswith("update/")] and "time/measure" not in off
     assert sum(on["update/pos_tokens"]) > 0 and "time/measure" in on
     assert (on["low/loss"], on["high/loss"]) == (off["low/loss"], off["high/loss"])  # the same step either way
 
 
 def test_a_step_with_nothing_to_measure_counts_zeros(tiny_model_dir, monkeypatch):
-    """Every group scored alike: no advantage, no pass, all counts 0 and every share None (never NaN)."""
-    _, calls = _step(tiny_model_dir, monkeypatch)  # (installs the spy)
-    monkeypatch.setattr(lopti, "kk_rewards", lambda c, s: torch.full((len(c),), -1.0))
-    cfg = tiny_config(tiny_model_dir, "unused", beta=0.0, mini_batch_size=8)
+    """Every group scored alike: no advantage, all counts 0 and every share None (never NaN)."""
+    cfg = tiny_config(tiny_model_dir, "unused", beta=0.0, mini_batch_size=8,
+                      reward=lambda c, s: torch.full((len(c),), -1.0))
     model, tok = lopti.load_model(str(tiny_model_dir), CPU), lopti.load_tokenizer(str(tiny_model_dir))
     m = lopti.train_step(cfg, model, None, tok, lopti.make_optimizer(model, cfg), lopti.kk_generate(2, 3, seed=0), CPU)
     assert all(m[f"update/{k}"] == [0] * 4 for k in lopti.UPDATE_KEYS)
@@ -102,11 +102,9 @@ def test_a_step_with_nothing_to_measure_counts_zeros(tiny_model_dir, monkeypatch
 def two_runs(tiny_model_dir, tmp_path_factory):
     """Two tiny GRPO runs of 2 steps (seeds 0 and 1) with the varied reward."""
     out = tmp_path_factory.mktemp("fig3")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lopti, "kk_rewards", _varied_rewards)
-        for seed in (0, 1):
-            lopti.train(tiny_config(tiny_model_dir, out / f"s{seed}", seed=seed, steps=2, mini_batch_size=8,
-                                    alpha=0.0, lopti=False, beta=0.0, save_every=0))
+    for seed in (0, 1):
+        lopti.train(tiny_config(tiny_model_dir, out / f"s{seed}", seed=seed, steps=2, mini_batch_size=8, alpha=0.0,
+                                lopti=False, beta=0.0, save_every=0, reward=_varied_rewards))
     return out / "s0", out / "s1"
 
 

@@ -1,5 +1,5 @@
-"""The code paths a GPU takes, run on CPU: bf16 autocast (LOPTI_CPU_BF16=1), Figure 3's fp32 measurement under it,
-host reads per micro-batch, and the memory figure."""
+"""The code paths a GPU takes, run on CPU: bf16 autocast (lopti.has_bf16 made true for the CPU), Figure 3's fp32
+measurement under it, host reads per micro-batch, and the memory figure."""
 import dataclasses
 import functools
 
@@ -7,20 +7,26 @@ import pytest
 import torch
 
 import lopti
-from conftest import fixed_rewards, tiny_config
+from conftest import tiny_config
 
 CPU = torch.device("cpu")
 ADVANTAGE_REWARDS = [0.0, 1.0, 2.0, 3.0, 3.0, 1.0, 0.0, 2.0]  # 2 groups of 4, every row with an advantage
 
 
+def bf16(monkeypatch, on: bool) -> None:
+    """The bf16 path on (autocast in bf16, Figure 3 measured in fp32) or off, for this test."""
+    monkeypatch.setattr(lopti, "has_bf16", lambda device: on)
+    assert lopti.has_bf16(CPU) is on
+
+
 def bf16_step(model_dir, tmp_path, monkeypatch, *, update=None, **overrides):
-    """train_step of the tiny model (2 prompts x 4, GRPO, one optimiser step) under LOPTI_CPU_BF16=1. Returns its
-    metrics, the model, and the batch's tensors and pi_old as batched_logprobs gave them."""
-    monkeypatch.setenv("LOPTI_CPU_BF16", "1")
-    assert lopti.has_bf16(CPU)
-    fixed_rewards(monkeypatch, ADVANTAGE_REWARDS)
+    """train_step of the tiny model (2 prompts x 4, GRPO, one optimiser step) on the bf16 path (has_bf16 true on the
+    CPU), rewarded ADVANTAGE_REWARDS. Returns its metrics, the model, and the batch's tensors and pi_old as
+    batched_logprobs gave them."""
+    bf16(monkeypatch, True)
     cfg = tiny_config(model_dir, tmp_path, max_completion_length=24, beta=0.0, mini_batch_size=8,
-                      micro_batch_size=2, **{**lopti.METHODS["grpo"], **overrides})
+                      micro_batch_size=2, reward=lambda completions, solutions: torch.tensor(ADVANTAGE_REWARDS),
+                      **{**lopti.METHODS["grpo"], **overrides})
     model, tok = lopti.load_model(str(model_dir), CPU), lopti.load_tokenizer(str(model_dir))
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -52,7 +58,7 @@ def test_bf16_first_ratio_is_one(tiny_model_dir, tmp_path, monkeypatch, checkpoi
     cfg, m, model, seen = bf16_step(tiny_model_dir, tmp_path, monkeypatch, gradient_checkpointing=checkpointing)
     assert len(ratios) == 4 and max(ratios) <= 1e-6, ratios  # 4 micro-batches, one optimiser step
     batch = seen[0][0]
-    monkeypatch.setenv("LOPTI_CPU_BF16", "0")
+    bf16(monkeypatch, False)
     with torch.no_grad():
         fp32 = lopti.completion_logprobs(model.eval(), batch, cfg.temperature)
     assert (fp32 - batch["old_logprobs"])[batch["mask"]].abs().max() > 1e-4  # bf16's rounding: another path
@@ -74,12 +80,12 @@ def test_bf16_loss_and_gradient_near_fp32(tiny_model_dir, tmp_path, monkeypatch)
     batch = seen[0][0]
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.0, -1.0])
 
-    def loss_and_grad(bf16: bool):
-        monkeypatch.setenv("LOPTI_CPU_BF16", "1" if bf16 else "0")
+    def loss_and_grad(on: bool):
+        bf16(monkeypatch, on)
         model.zero_grad(set_to_none=True)
         with lopti.autocast(CPU):
             logprobs = lopti.completion_logprobs(model, batch, cfg.temperature)
-        assert (logprobs.dtype, lopti.has_bf16(CPU)) == (torch.float32, bf16)
+        assert logprobs.dtype == torch.float32  # (the loss is fp32 either way; bf16 differs by rounding)
         loss, _ = lopti.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"])
         loss.backward()
         return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -93,8 +99,8 @@ def test_bf16_loss_and_gradient_near_fp32(tiny_model_dir, tmp_path, monkeypatch)
 def test_update_policy_host_reads_do_not_grow_with_micro_batches(monkeypatch):
     """policy_loss's statistics and the loss stay tensors until the optimiser step: the host reads (float, int,
     bool, item, tolist, cpu: on a GPU each waits for it) are the same for 8 micro-batches per optimiser step as for
-    1, and grow by a fixed few per optimiser step: the gradient norm (the non-finite check), the loss, and the
-    mini-batch's row check (on a CPU tensor: no wait)."""
+    1, and grow by a fixed few per optimiser step: the gradient norm (logged), the loss, and the mini-batch's row
+    check (on a CPU tensor: no wait)."""
     s = lopti.ToySettings(prompts=4, group=4)
     net = lopti.ToyPolicy(s, 0)
     batch = lopti.toy_rollout(net, torch.Generator().manual_seed(0))

@@ -18,7 +18,7 @@ import pytest
 import lopti
 from lopti import (KK_MAX_REWARD, KK_SYSTEM_PROMPT, THINK_PREFIX, Config, constant_accuracy,
                    kk_generate, kk_load, kk_parse_solution, kk_prompt, kk_reward, kk_rewards,
-                   kk_solve, kk_twins, load_task_data, sign_test_p)
+                   kk_solve, load_task_data, sign_test_p)
 
 DATA = Path(__file__).parent / "data" / "kk"
 JSONL = {k: DATA / f"{k}ppl_20.jsonl" for k in range(3, 8)}
@@ -468,13 +468,18 @@ def test_row_without_people_is_refused(tmp_path):
 
 
 # --- task data ---
-def test_load_task_data_keeps_evaluation_puzzles_out_of_training():
-    """The official 3-person parquet holds the 20 puzzles of 3ppl_20.jsonl: evaluated on the other 80."""
+def test_load_task_data_keeps_evaluation_puzzles_out_of_training(capsys):
+    """The official 3-person parquet holds the 20 puzzles of 3ppl_20.jsonl: evaluated on the other 80, with a note
+    saying how many were dropped; an --eval_data wholly inside --train_data is one error."""
     train, evals = load_task_data(Config(train_data=str(JSONL[3]), eval_data=str(PARQUET)))
     assert len(train) == 20 and len(evals) == 80
     assert not set(train["quiz"]) & set(evals["quiz"])
-    with pytest.raises(ValueError, match="every evaluation puzzle"):
+    assert not set(train["statements"]) & set(evals["statements"])
+    assert "note: 20 of 100 --eval_data puzzles are also in --train_data: not evaluated" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="every --eval_data puzzle is also in --train_data"):
         load_task_data(Config(train_data=str(JSONL[3]), eval_data=str(JSONL[3])))
+    _, alone = load_task_data(Config(eval_data=str(PARQUET), num_people="3", num_train=40))  # nothing to drop
+    assert len(alone) == 100 and "note:" not in capsys.readouterr().out
 
 
 def test_load_task_data_generates_disjoint_sets_per_size():
@@ -562,89 +567,31 @@ def test_case_analysis_golden_and_every_demonstration_scores_3():
         assert analysis.count(": yes.") == 1 and analysis.count(": no.") == 2 ** r["num_people"] - 1
 
 
-# --- the evaluation that can tell: logical twins, and McNemar's exact test of RL's gain over step 0
+# --- the evaluation apart from training, and McNemar's exact test of RL's gain over step 0
 
 
-def brute_force_logic(statements: tuple) -> str:
-    """An independent canonical form: the least repr over every renaming of the people, commutative operands
-    sorted by their repr."""
-    def rename(s, order):
-        if s[0] in ("telling-truth", "lying"):
-            return (s[0], order[s[1]])
-        args = [rename(a, order) for a in s[1:]]
-        return (s[0], *(sorted(args, key=repr) if s[0] in ("and", "or", "<=>") else args))
-
-    forms = []
-    for order in itertools.permutations(range(len(statements))):
-        renamed = dict((order[i], rename(s, order)) for i, s in enumerate(statements))
-        forms.append(repr(tuple(renamed[i] for i in range(len(statements)))))
-    return min(forms)
-
-
-def as_rows(*puzzles) -> dict:
-    return {"statements": [repr(p) for p in puzzles]}
-
-
-def test_kk_twins_finds_a_puzzle_renamed_with_its_operands_swapped():
-    """Emma (0) says "Liam is a knave", Liam (1) says "Emma is a knight and Liam is a knave". Swapping the two people
-    and the operands of "and" gives the same puzzle; changing one statement's op gives another."""
-    puzzle = (("lying", 1), ("and", ("telling-truth", 0), ("lying", 1)))
-    renamed = (("and", ("lying", 0), ("telling-truth", 1)), ("lying", 0))
-    other = (("lying", 1), ("or", ("telling-truth", 0), ("lying", 1)))
-    assert kk_twins(as_rows(puzzle, other), as_rows(renamed)) == [True, False]
-    assert kk_twins(as_rows(puzzle), as_rows()) == [False]
-
-
-def test_kk_twins_agrees_with_a_brute_force_canonical_form_on_generated_puzzles():
-    """Every distinct 2-person puzzle (399 of them) fall into 95 logical classes; and for 3-4 people, kk_twins says a
-    puzzle has a twin among the others exactly when one shares its brute-force form."""
-    two = kk_generate(399, 2, seed=0)
-    assert len({brute_force_logic(ast.literal_eval(s)) for s in two["statements"]}) == 95
-    rows = kk_generate(40, (3, 4), seed=1)
-    statements = list(rows["statements"])
-    # plant twins: a renamed copy of each of the first 5 puzzles (people reversed)
-    for text in statements[:5]:
-        s = ast.literal_eval(text)
-        n = len(s)
-        order = list(reversed(range(n)))
-        renamed = [None] * n
-        for i, st in enumerate(s):
-            renamed[order[i]] = lopti._kk_relabel(st, order)
-        statements.append(repr(tuple(renamed)))
-    forms = [brute_force_logic(ast.literal_eval(s)) for s in statements]
-    for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9):
-        others = {"statements": statements[:i] + statements[i + 1:]}
-        expected = forms[i] in forms[:i] + forms[i + 1:]
-        assert kk_twins({"statements": [statements[i]]}, others) == [expected]
-    assert kk_twins({"statements": statements[:5]}, {"statements": statements[40:]}) == [True] * 5
-
-
-def test_load_task_data_marks_evaluation_puzzles_with_a_twin_in_training_or_the_warm_up():
-    """2-person puzzles as the cpu preset draws them (256 training, 240 warm-up): the 95 classes are almost all
-    covered, so the evaluation holds every twin-free puzzle of its pool (4 x 64 puzzles of its seed), first, then
-    twins. The column agrees with kk_twins against the training and warm-up puzzles."""
+def test_evaluation_is_its_seeds_draw_and_training_and_the_warm_up_skip_its_puzzles():
+    """2-person puzzles as the cpu preset draws them (256 training, 240 warm-up, 64 evaluated; 399 exist): the
+    evaluation is kk_generate's plain draw from its own seed, and the training and warm-up puzzles are drawn around
+    it, sharing none of its statements (the same draws without the exclusion would share some)."""
     cfg = Config(num_people="2", num_train=256, eval_size=64, warmup_steps=60, prompts_per_step=4, mini_batch_size=32)
     train, evals = load_task_data(cfg)
-    seen = {"statements": list(train["statements"]) + list(lopti.warmup_puzzles(cfg)["statements"])}
-    assert evals["twin"] == kk_twins(evals, seen)
-    pool = kk_generate(4 * 64, 2, seed=cfg.seed + 1_000_003 + 2)
-    twin_free = [quiz for quiz, twin in zip(pool["quiz"], kk_twins(pool, seen)) if not twin]
-    assert 0 < len(twin_free) < 8 and evals["quiz"][:len(twin_free)] == twin_free and all(evals["twin"][len(twin_free):])
-    assert len(evals) == 64 and set(evals["quiz"]) <= set(pool["quiz"])
+    assert evals["quiz"] == kk_generate(64, 2, seed=cfg.seed + 1_000_003 + 2)["quiz"]
+    warm = lopti.warmup_puzzles(cfg, evals)
+    evaluated = set(evals["statements"])
+    assert len(train) == 256 and len(warm) == 240 and len(evaluated) == 64
+    assert not evaluated & set(train["statements"]) and not evaluated & set(warm["statements"])
+    assert evaluated & set(kk_generate(256, 2, seed=cfg.seed)["statements"])
+    assert evaluated & set(kk_generate(240, 2, seed=cfg.seed + 2_000_003)["statements"])
 
 
-def test_generated_evaluation_puzzles_have_no_twin_where_enough_exist():
-    """3-person puzzles: the first 32 of the evaluation's seed (the draw before twins were avoided) include a twin of
-    the 1,000 training puzzles; the drawn evaluation has none, and holds 32 puzzles of that seed, none a training
-    puzzle."""
-    cfg = Config(num_people="3", num_train=1000, eval_size=32)
+def test_a_multi_size_evaluation_is_each_sizes_draw():
+    """--num_people 3-4: eval_size puzzles of each size, each from its size's seed, none a training puzzle."""
+    cfg = Config(num_people="3-4", num_train=40, eval_size=5, seed=7)
     train, evals = load_task_data(cfg)
-    seen = {"statements": train["statements"]}
-    first_32 = kk_generate(32, 3, seed=cfg.seed + 1_000_003 + 3)
-    assert sum(kk_twins(first_32, seen)) > 0
-    assert len(evals) == 32 and not any(evals["twin"]) and not any(kk_twins(evals, seen))
-    pool = set(kk_generate(4 * 32, 3, seed=cfg.seed + 1_000_003 + 3)["quiz"])
-    assert set(evals["quiz"]) <= pool and not set(evals["quiz"]) & set(train["quiz"])
+    expected = [q for n in (3, 4) for q in kk_generate(5, n, seed=7 + 1_000_003 + n)["quiz"]]
+    assert evals["quiz"] == expected and lopti.evaluation_rows(cfg)["quiz"] == expected
+    assert not set(train["statements"]) & set(evals["statements"])
 
 
 def test_sign_test_p_golden_values_and_an_enumeration_of_sign_flips():
@@ -668,21 +615,42 @@ def test_paired_gain_on_hand_made_outcomes():
     assert sign_test_p(3, 1) == pytest.approx(2 * 5 / 16)
 
 
-def test_the_gain_is_logged_only_against_a_step_0_of_the_same_puzzles(tmp_path):
-    """log_evaluation pairs an evaluation with step 0's only when both name the same puzzles (eval/puzzles): a run
-    begun before the evaluation's draw changed, or whose step 0 names none, gets no gain."""
-    log = lopti.MetricsLog(tmp_path, Config())
-    lopti.log_evaluation(log, 0, {"eval/correct": "1100110000", "eval/puzzles": "abc"})
-    lopti.log_evaluation(log, 10, {"eval/correct": "1011111000", "eval/puzzles": "abc"})
-    lopti.log_evaluation(log, 20, {"eval/correct": "1011111000", "eval/puzzles": "xyz"})
-    records = lopti.read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 10, 20] and "eval/gain" not in records[0]
-    assert records[1]["eval/gain"] == pytest.approx(0.2) and "eval/gain" not in records[2]
+def _bare_run(out, cfg, evaluations, monkeypatch, records):
+    """A Run with only what evaluate_if_due reads; lopti.evaluate returns `records` in turn."""
+    run = object.__new__(lopti.Run)
+    run.cfg, run.out, run.evaluations = cfg, out, evaluations
+    run.stop = lopti.StopOnSignal()  # (not entered: no handlers installed)
+    run.stop.signum = 0
+    run.model = run.tokenizer = run.eval_rows = run.device = None
+    run.log = lopti.MetricsLog(out, cfg)
+    queue = list(records)
+    monkeypatch.setattr(lopti, "evaluate", lambda *args, **kwargs: dict(queue.pop(0)))
+    return run, queue
+
+
+def test_the_gain_is_logged_only_against_a_step_0_of_the_same_puzzles(tmp_path, monkeypatch):
+    """Run.evaluate_if_due evaluates only steps due (0, every eval_every, the last), and pairs an evaluation with step
+    0's only when both name the same puzzles (eval/puzzles): a step 0 that names none gets no gain."""
+    cfg = Config(steps=30, eval_every=10)
+    records = [{"eval/correct": "1100110000", "eval/puzzles": "abc"},
+               {"eval/correct": "1011111000", "eval/puzzles": "abc"},
+               {"eval/correct": "1011111000", "eval/puzzles": "xyz"}]
+    run, queue = _bare_run(tmp_path, cfg, {}, monkeypatch, records)
+    for step in (0, 5, 10, 20):
+        run.evaluate_if_due(step)
+    assert not queue  # three evaluations: step 5 is not due
+    logged = lopti.read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [0, 10, 20] and "eval/gain" not in logged[0]
+    assert logged[1]["eval/gain"] == pytest.approx(0.2) and logged[1]["eval/gained"] == 3
+    assert "eval/gain" not in logged[2]
+    run.evaluate_if_due(10)  # evaluated already (a resumed run's): not again
+    assert len(lopti.read_jsonl(tmp_path / "metrics.jsonl")) == 3
     old = tmp_path / "old"
     old.mkdir()
-    lopti.append_jsonl(old / "metrics.jsonl", {"step": 0, "eval/correct": "1100110000"})  # before eval/puzzles
-    lopti.log_evaluation(lopti.MetricsLog(old, Config()), 10, {"eval/correct": "1011111000", "eval/puzzles": "abc"})
-    assert "eval/gain" not in lopti.read_jsonl(old / "metrics.jsonl")[1]
+    step_0 = {0: {"step": 0, "eval/correct": "1100110000"}}  # logged before eval/puzzles existed
+    run, queue = _bare_run(old, cfg, step_0, monkeypatch, records[1:2])
+    run.evaluate_if_due(30)
+    assert not queue and "eval/gain" not in lopti.read_jsonl(old / "metrics.jsonl")[0]
 
 
 def test_an_unknown_statement_operator_is_a_row_error(tmp_path):
@@ -725,6 +693,35 @@ def test_a_name_the_reward_cannot_read_is_refused_at_load(tmp_path, name):
     assert kk_reward(wrap(bad["solution_text_format"]), bad["solution_text_format"]) != KK_MAX_REWARD
 
 
+@pytest.mark.parametrize("people", ["Zoey Zoey", "Zoey zoey", "Zoey", "A B C D E F G H I"])
+def test_people_must_be_2_to_8_distinct_ignoring_case(tmp_path, people):
+    """The reward matches names ignoring case: "Zoey" twice, or "Zoey" and "zoey", would be one person to it. One,
+    or nine people (more than the benchmark's 8), are refused too; the error names the names."""
+    names = people.split()
+    quiz = "Who is who? " + " ".join(f"{name} says nothing." for name in names)
+    text_format = "\n".join(f"({i}) {name} is a knight" for i, name in enumerate(names, 1))
+    statements = repr(tuple(("telling-truth", i) for i in range(len(names))))
+    row = {"quiz": quiz, "solution_text_format": text_format, "statements": statements}
+    path = _write(tmp_path / "people.jsonl", json.dumps(row) + "\n")
+    message = (r"row 1\b.*field 'solution_text_format' must name 2 to 8 people of the quiz, distinct ignoring case, "
+               rf"got \[{re.escape(', '.join(map(repr, names)))}\]")
+    with pytest.raises(ValueError, match=message):
+        kk_load(str(path))
+
+
+def test_statements_are_kept_in_the_canonical_form_of_their_tuple(tmp_path):
+    """Statements written with other quotes and spacing, or as JSON lists, are kept as the parsed tuple's repr: the
+    form kk_generate writes, so that the same puzzle compares equal across files."""
+    row = jsonl_rows()[0]
+    canonical = repr(ast.literal_eval(row["statements"]))
+    spaced = canonical.replace("'", '"').replace(", ", " ,  ")
+    lists = json.loads(json.dumps(ast.literal_eval(row["statements"])))
+    for i, statements in enumerate((spaced, lists)):
+        loaded = kk_load(str(_write(tmp_path / f"{i}.jsonl", json.dumps({**row, "statements": statements}) + "\n")))
+        assert loaded["statements"] == [canonical]
+    assert spaced != canonical
+
+
 def test_a_person_missing_from_the_quiz_is_refused(tmp_path):
     row = jsonl_rows()[0]
     bad = dict(row, quiz=row["quiz"].replace(row["names"][1], "Somebody"))
@@ -733,16 +730,17 @@ def test_a_person_missing_from_the_quiz_is_refused(tmp_path):
         kk_load(str(path))
 
 
-@pytest.mark.parametrize("quiz,kind", [(7, "int"), ([{"role": "user", "content": "Who?"}], "list"),
-                                       ("x" * 20_001, "characters")])
-def test_a_quiz_of_the_wrong_type_or_size_is_refused_naming_the_field(tmp_path, quiz, kind):
-    """The second row's quiz is a number, a chat list or 20,001 characters (the first row is text): one error
-    naming row 2 and 'quiz'."""
+@pytest.mark.parametrize("quiz", [7, [{"role": "user", "content": "Who?"}], "x" * 20_001, " \n"],
+                         ids=["int", "list", "too long", "blank"])
+def test_a_quiz_of_the_wrong_type_or_size_is_refused_naming_the_field(tmp_path, quiz):
+    """The second row's quiz is a number, a chat list, 20,001 characters or blank (the first row is text): one
+    error naming row 2, 'quiz' and what it must be."""
     rows = jsonl_rows()[:2]
     rows[1]["quiz"] = quiz
     path = _write(tmp_path / "quiz.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=rf"row 2\b.*field 'quiz'.*{kind}"):
+    with pytest.raises(ValueError, match=r"row 2\b.*field 'quiz' must be text of 1 to 20,000 characters") as err:
         kk_load(str(path))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("content,words", [("", "the file is empty"), ("  \n\n", "the file is empty"),
@@ -786,13 +784,14 @@ def test_an_explicit_num_train_that_cannot_be_met_names_the_flag():
 
 
 def test_the_warm_up_cycles_where_fewer_puzzles_exist_and_a_checkpoint_evaluates_the_runs_puzzles(tmp_path):
-    """60 steps x 8 prompts = 480 warm-up puzzles of 2 people (399 exist): the draw gives what exists, no error. A
-    checkpoint of the run (--model, warmed up already: trainer_state.pt) is evaluated on the run's own puzzles."""
+    """60 steps x 8 prompts = 480 warm-up puzzles of 2 people (399 exist, less the 4 evaluated): the draw gives what
+    exists, no error. A checkpoint of the run (--model, warmed up already: trainer_state.pt) is evaluated on the run's
+    own puzzles."""
     cfg = Config(num_people="2", num_train=256, warmup_steps=60, prompts_per_step=8, eval_size=4, mini_batch_size=64)
-    warm = lopti.warmup_puzzles(cfg)
-    assert 300 < len(warm) < 480
-    (tmp_path / "trainer_state.pt").write_bytes(b"")
     run_evals = load_task_data(cfg)[1]
+    warm = lopti.warmup_puzzles(cfg, run_evals)
+    assert 300 < len(warm) < 480 and len(warm) + len(run_evals) <= 399
+    (tmp_path / "trainer_state.pt").write_bytes(b"")
     checkpoint_evals = load_task_data(dataclasses.replace(cfg, model=str(tmp_path)))[1]
     assert checkpoint_evals["quiz"] == run_evals["quiz"]
 

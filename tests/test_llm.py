@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lopti
-from conftest import fixed_rewards, tiny_config, varied_reward
+from conftest import tiny_config, varied_reward
 from lopti import Config
 
 CPU = torch.device("cpu")
@@ -19,6 +19,21 @@ CPU = torch.device("cpu")
 
 def load(path):
     return lopti.load_model(str(path), CPU), lopti.load_tokenizer(str(path))
+
+
+def fixed(values):
+    """A reward function (Config.reward) that returns `values` whatever was sampled (cycled to the batch's length:
+    an evaluation's batch is smaller): advantages chosen by the test."""
+    def rewards(completions, solutions):
+        return torch.tensor([values[i % len(values)] for i in range(len(completions))], dtype=torch.float)
+    return rewards
+
+
+@pytest.fixture
+def kk_reward_read_afresh(monkeypatch):
+    """reward_function caches the function of --reward kk: for this test it reads lopti.kk_rewards (and so a
+    monkeypatched lopti.kk_reward) at each call, and leaves the cache as it was."""
+    monkeypatch.setattr(lopti, "reward_function", getattr(lopti.reward_function, "__wrapped__", lopti.reward_function))
 
 
 def prompt_batch(tok, prompts, completions):
@@ -323,7 +338,6 @@ def test_pi_old_equals_the_first_update_log_probs(arch, checkpointing, request, 
     model, tok = load(tiny_model_dir)
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    fixed_rewards(monkeypatch, [0.0, 1.0, 2.0, 3.0] * 2)
     seen, real = [], lopti.policy_loss
 
     def spy(logprobs, old, advantages, mask, **kw):
@@ -332,6 +346,7 @@ def test_pi_old_equals_the_first_update_log_probs(arch, checkpointing, request, 
 
     monkeypatch.setattr(lopti, "policy_loss", spy)
     cfg = tiny_config(tiny_model_dir, tmp_path, mini_batch_size=8, micro_batch_size=2, beta=0.0,
+                      reward=fixed([0.0, 1.0, 2.0, 3.0] * 2),
                       **lopti.METHODS["grpo"])  # one optimiser step: every micro-batch sees the old weights
     m = tiny_step(cfg, model, tok)
     assert len(seen) == 4 and all(grad for _, grad in seen) and max(d for d, _ in seen) <= 1e-5, seen
@@ -342,7 +357,6 @@ def test_pi_old_and_the_update_compute_only_rows_with_an_advantage(tiny_model_di
     """beta = 0: a group whose rewards are equal has no gradient; neither pi_old, the update nor Figure 3's
     measurement runs its rows (they still count in the update's token denominator)."""
     model, tok = load(tiny_model_dir)
-    fixed_rewards(monkeypatch, [-3.0] * 4 + [0.0, 1.0, 2.0, 3.0] + [-3.0] * 4)
     passes, forwards = [], {True: 0, False: 0}
     real_batched, real_completion = lopti.batched_logprobs, lopti.completion_logprobs
     monkeypatch.setattr(lopti, "batched_logprobs",
@@ -354,7 +368,7 @@ def test_pi_old_and_the_update_compute_only_rows_with_an_advantage(tiny_model_di
 
     monkeypatch.setattr(lopti, "completion_logprobs", completion_spy)
     cfg = tiny_config(tiny_model_dir, tmp_path, prompts_per_step=3, mini_batch_size=12, micro_batch_size=2,
-                      beta=0.0, **lopti.METHODS["grpo"])
+                      beta=0.0, reward=fixed([-3.0] * 4 + [0.0, 1.0, 2.0, 3.0] + [-3.0] * 4), **lopti.METHODS["grpo"])
     m = tiny_step(cfg, model, tok)
     needed = [False] * 4 + [True] * 4 + [False] * 4
     assert passes == [needed, needed]  # pi_old, then Figure 3's measurement after the update
@@ -366,10 +380,9 @@ def test_a_step_where_no_row_has_an_advantage_computes_nothing(tiny_model_dir, t
     """beta = 0 and every group's rewards equal (a collapsed policy): no forward at all, no optimiser step (AdamW's
     momentum and decay would move the weights), no error."""
     model, tok = load(tiny_model_dir)
-    fixed_rewards(monkeypatch, [-1.0] * 8)
     calls, real = [], lopti.completion_logprobs
     monkeypatch.setattr(lopti, "completion_logprobs", lambda *a: calls.append(1) or real(*a))
-    cfg = tiny_config(tiny_model_dir, tmp_path, beta=0.0, weight_decay=0.1)
+    cfg = tiny_config(tiny_model_dir, tmp_path, beta=0.0, weight_decay=0.1, reward=fixed([-1.0] * 8))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = lopti.make_optimizer(model, cfg)
     torch.manual_seed(0)
@@ -392,10 +405,11 @@ def strict_json_lines(path):
 
 
 @pytest.mark.parametrize("method", ["grpo", "ar", "lopti"])
-def test_train_two_steps(tiny_model_dir, tmp_path, monkeypatch, method):
-    """Two RL steps (beta > 0: a reference model): the weights change and stay finite; metrics.jsonl has a line per
-    step with the stages' and Figure 3's keys, then the final evaluation; samples.jsonl the first group's
-    completions; checkpoint-2/ alone remains and loads as a model."""
+def test_train_two_steps(tiny_model_dir, tmp_path, monkeypatch, kk_reward_read_afresh, method):
+    """Two RL steps (beta > 0: a reference model) with --reward kk (its kk_reward varied): the weights change and stay
+    finite; config.json holds every setting, the method and the version; metrics.jsonl has a line per step with the
+    stages' and Figure 3's keys, then the final evaluation; samples.jsonl the first group's completions;
+    checkpoint-2/ alone remains and loads as a model."""
     monkeypatch.setattr(lopti, "kk_reward", varied_reward)
     out = tmp_path / "run"
     cfg = tiny_config(tiny_model_dir, out, beta=0.01, **lopti.METHODS[method])
@@ -407,7 +421,9 @@ def test_train_two_steps(tiny_model_dir, tmp_path, monkeypatch, method):
     assert all(v.isfinite().all() for v in after.values())
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["step"] == 2
     assert lopti.load_tokenizer(str(ckpt)).chat_template
-    assert json.loads((out / "config.json").read_text()) == {**dataclasses.asdict(cfg), "method": method}
+    saved = json.loads((out / "config.json").read_text())
+    assert saved == {**dataclasses.asdict(cfg), "method": method, "version": lopti.lopti_version()}
+    assert saved["reward"] == "kk" and "lopti.py sha256" in saved["version"]
 
     lines = strict_json_lines(out / "metrics.jsonl")
     assert [x["step"] for x in lines] == [0, 1, 2, 2] and "reward" not in lines[0] and "reward" not in lines[3]
@@ -470,9 +486,11 @@ def hand_rows(solutions: list[list[bool]]) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def test_evaluate_accuracy_per_number_of_people_and_the_constant_answers(tiny_model_dir, monkeypatch):
+def test_evaluate_accuracy_per_number_of_people_and_the_constant_answers(tiny_model_dir, monkeypatch,
+                                                                         kk_reward_read_afresh):
     """Accuracy and mean reward per size, and the best constant answer's accuracy: per size, the most frequent
-    solution (3 people: 2 of 3 share one; 4 people: 1 of 2) -> (2 + 1) / 5."""
+    solution (3 people: 2 of 3 share one; 4 people: 1 of 2) -> (2 + 1) / 5. The default --reward kk scores with
+    kk_reward; a --reward function replaces it."""
     monkeypatch.setattr(lopti, "kk_reward", lambda text, sol: 3.0 if sol.count("\n") == 3 else -0.5)  # 4 people
     model, tok = load(tiny_model_dir)
     T, F = True, False
@@ -482,6 +500,10 @@ def test_evaluate_accuracy_per_number_of_people_and_the_constant_answers(tiny_mo
     assert out == {"eval/accuracy": 0.4, "eval/constant_accuracy": 0.6, "eval/correct": "00011",
                    "eval/puzzles": puzzles, "eval/accuracy_3ppl": 0.0, "eval/reward_3ppl": -0.5, "eval/accuracy_4ppl": 1.0,
                    "eval/reward_4ppl": 3.0}
+    everything_right = Config(model="unused", max_completion_length=3, eval_batch_size=2,
+                              reward=lambda texts, solutions: [3.0] * len(texts))
+    out = lopti.evaluate(model, tok, rows, everything_right, CPU)
+    assert out["eval/accuracy"] == 1.0 and out["eval/correct"] == "11111" and out["eval/reward_3ppl"] == 3.0
 
 
 # --- the supervised warm-up (Config.warmup_steps): the solver's case analysis as the target
@@ -502,18 +524,19 @@ def demonstration_logprob(model, tok, cfg, rows) -> float:
 
 
 def test_warm_up_raises_the_demonstrations_log_prob_and_trains_on_them_only(tiny_model_dir, tmp_path, monkeypatch):
-    """Cross-entropy on the target tokens of its own puzzles (not RL's or the evaluation's): their demonstrations
-    get likelier, one forward per step."""
+    """Cross-entropy on the target tokens of its own puzzles (warmup_puzzles: not RL's, and none of the evaluation's
+    statements): their demonstrations get likelier, one forward per step."""
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=3, warmup_learning_rate=3e-3, num_people="2-3")
     model, tok = load(tiny_model_dir)
-    rows = lopti.kk_generate(6, (2, 3), seed=cfg.seed + 2_000_003)  # warm_up's own puzzles
     train, evals = lopti.load_task_data(cfg)
-    assert not set(rows["quiz"]) & (set(train["quiz"]) | set(evals["quiz"]))  # neither RL's nor evaluation's
+    rows = lopti.warmup_puzzles(cfg, evals)  # warm_up's own puzzles
+    assert len(rows) == 6 and not set(rows["quiz"]) & (set(train["quiz"]) | set(evals["quiz"]))
+    assert not set(rows["statements"]) & set(evals["statements"])
     before = demonstration_logprob(model, tok, cfg, rows)
     calls = []
     real = lopti.sequence_logprobs
     monkeypatch.setattr(lopti, "sequence_logprobs", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    lopti.warm_up(cfg, model, tok, torch.device("cpu"))
+    lopti.warm_up(cfg, model, tok, torch.device("cpu"), rows)
     monkeypatch.setattr(lopti, "sequence_logprobs", real)
     assert len(calls) == 3  # one forward per step: prompts_per_step puzzles each
     assert demonstration_logprob(model, tok, cfg, rows) > before + 0.5
@@ -528,7 +551,7 @@ def test_warm_up_is_adamw_whatever_the_rl_optimizer(tiny_model_dir, tmp_path):
                           num_people="2", optimizer=optimizer)
         model, tok = load(tiny_model_dir)
         torch.manual_seed(0)
-        lopti.warm_up(cfg, model, tok, CPU)
+        lopti.warm_up(cfg, model, tok, CPU, lopti.kk_generate(4, 2, seed=1))
         weights[optimizer] = model.state_dict()
     start = load(tiny_model_dir)[0].state_dict()
     assert all(torch.equal(weights["adamw"][k], weights["sgd"][k]) for k in start)
@@ -538,7 +561,6 @@ def test_warm_up_is_adamw_whatever_the_rl_optimizer(tiny_model_dir, tmp_path):
 def test_train_evaluates_step_0_after_the_warm_up_and_before_any_rl_step(tiny_model_dir, tmp_path, monkeypatch):
     """The order of a run: warm-up, evaluation (step 0), RL steps, the final evaluation on the same puzzles; the
     final record carries RL's paired gain over step 0."""
-    fixed_rewards(monkeypatch, [1.0, 0, 0, 0, 0, 1, 0, 0])
     calls, real_step, real_evaluate = [], lopti.train_step, lopti.evaluate
     monkeypatch.setattr(lopti, "warm_up", lambda *a, **k: calls.append("warm_up"))
     monkeypatch.setattr(lopti, "train_step", lambda *a, **k: calls.append("step") or real_step(*a, **k))
@@ -549,7 +571,7 @@ def test_train_evaluates_step_0_after_the_warm_up_and_before_any_rl_step(tiny_mo
 
     monkeypatch.setattr(lopti, "evaluate", evaluate)
     out = tmp_path / "run"
-    lopti.train(tiny_config(tiny_model_dir, out, warmup_steps=1, steps=2))
+    lopti.train(tiny_config(tiny_model_dir, out, warmup_steps=1, steps=2, reward=fixed([1.0, 0, 0, 0, 0, 1, 0, 0])))
     assert [c if isinstance(c, str) else c[0] for c in calls] == ["warm_up", "evaluate", "step", "step", "evaluate"]
     assert calls[1] == calls[4]  # the same puzzles
     first, last = [r for r in lopti.read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r]
@@ -558,9 +580,9 @@ def test_train_evaluates_step_0_after_the_warm_up_and_before_any_rl_step(tiny_mo
     assert {"eval/gained", "eval/lost", "eval/gain_p"} <= set(last) and "eval/gain" not in first
 
 
-def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, monkeypatch, kk_reward_read_afresh):
     """A resumed run starts from its checkpoint: no second warm-up."""
-    fixed_rewards(monkeypatch, [1.0, 0, 0, 0, 0, 1, 0, 0])
+    monkeypatch.setattr(lopti, "kk_rewards", fixed([1.0, 0, 0, 0, 0, 1, 0, 0]))
     warmed = []
     monkeypatch.setattr(lopti, "warm_up", lambda *a, **k: warmed.append(True))
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=2, steps=1)
@@ -569,15 +591,23 @@ def test_train_warms_up_only_at_the_start_of_a_run(tiny_model_dir, tmp_path, mon
     assert warmed == [True]
 
 
-def test_load_policy_checkpoints_warms_up_and_keeps_the_reference_cold(tiny_model_dir, tmp_path, monkeypatch):
-    """train and diagnose share load_policy: gradient checkpointing on when asked (diagnose --preset colab/gpu
-    needs it too), the warm-up on the policy only, and the reference is cfg.model before the warm-up."""
+def test_load_policy_checkpoints_and_keeps_the_reference_cold_and_never_warms_up(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """train and diagnose share load_policy: gradient checkpointing on when asked (diagnose --preset colab/gpu needs
+    it too), a frozen reference that is cfg.model, and no warm-up (train's Run and diagnose warm up after it, when
+    needs_warm_up: not from a run's checkpoint)."""
     warmed = []
     monkeypatch.setattr(lopti, "warm_up", lambda cfg, model, *a, **k: warmed.append(model))
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", warmup_steps=1, beta=0.01, gradient_checkpointing=True)
     model, tok, ref = lopti.load_policy(cfg, torch.device("cpu"))
-    assert model.is_activation_checkpointing and warmed == [model] and ref is not model
+    assert model.is_activation_checkpointing and warmed == [] and ref is not model
     assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert lopti.needs_warm_up(cfg, cfg.model) and not lopti.needs_warm_up(dataclasses.replace(cfg, warmup_steps=0),
+                                                                            cfg.model)
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.pt").write_bytes(b"")
+    assert not lopti.needs_warm_up(cfg, str(tmp_path / "checkpoint-3"))
 
 
 @pytest.mark.parametrize("arch", ["tiny_model_dir", "tiny_gpt2_dir"])

@@ -202,12 +202,13 @@ def test_run_toy_pools_the_trajectories(small_run):
 
 # --- the command line ---
 def test_cli_quick_writes_results(tmp_path, capsys, small_run):
-    """`python lopti.py toy --quick --out DIR` writes results.json; the JSON holds the printed checks and exactly the
-    results of a separate run_toy with the same settings (determinism). (--vocab 64 keeps it under a second.)"""
+    """`python lopti.py toy --quick --out DIR` writes results.json; the JSON holds the printed checks, the version
+    (lopti_version) and exactly the results of a separate run_toy with the same settings (determinism). (--vocab 64
+    keeps it under a second.)"""
     assert lopti.main(["toy", "--quick", "--vocab", "64", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["settings"] == dataclasses.asdict(SMALL)
-    assert {k: v for k, v in saved.items() if k != "checks"} == json.loads(json.dumps(small_run))
+    assert saved["settings"] == dataclasses.asdict(SMALL) and saved["version"] == lopti.lopti_version()
+    assert {k: v for k, v in saved.items() if k not in ("checks", "version")} == json.loads(json.dumps(small_run))
     printed = capsys.readouterr().out
     assert saved["checks"] and all(line in printed for line in saved["checks"])
     if importlib.util.find_spec("matplotlib"):  # the figures beside it, with matplotlib installed
