@@ -602,8 +602,8 @@ def check_config(cfg: Config) -> None:
     _require(cfg, "reward", reward_ok, "kk, FILE.py:FUNCTION, MODULE:FUNCTION or a function")
     if cfg.report_to == "tensorboard":
         try:
-            from torch.utils.tensorboard import SummaryWriter  # (only the import is checked)
-        except Exception as e:  # missing, too old, or a protobuf clash
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception as e:  # missing, too old, a protobuf clash
             raise ValueError("--report_to tensorboard needs a working tensorboard: pip install "
                              f"tensorboard ({_first_line(e)})") from None
     rollout_size = cfg.prompts_per_step * cfg.num_generations
@@ -694,7 +694,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_comp
 
 
 def policy_logprobs(model, temperature: float, device, micro_batch: dict) -> Tensor:
-    """completion_logprobs (b, C) with gradients, under autocast: the update's."""
+    """The update's completion_logprobs (b, C), under autocast."""
     with autocast(device):
         return completion_logprobs(model, micro_batch, temperature)
 
@@ -812,8 +812,8 @@ def global_norm(tensors) -> float:
 
 def measure_bins(micro_batch_size: int, model, logprob_fn: Callable, batch: dict) -> dict:
     """Figure 1 (a) and (d) on one batch: per bin, its share of the tokens of rows with A != 0, and
-    the norm of GRPO's gradient at ratio 1 with only its advantages kept. At ratio 1 the loss is
-    linear in A: the bins' gradients add up to the all-token one ("all")."""
+    the norm of GRPO's gradient at ratio 1 with only its advantages kept (linear in A: the bins'
+    gradients add up to the all-token one, "all")."""
     params = [p for p in model.parameters() if p.requires_grad]
     mask = batch["mask"].bool()  # (B, T)
     bins = bin_masks(batch["old_logprobs"], mask)  # (4, B, T)
@@ -1174,8 +1174,8 @@ def late_reward(rewards: list[list[float]]) -> Tensor:
 
 
 def plot_toy(r: dict, out: Path) -> None:
-    """figures.png: Figure 1 (a), (d) on the first batch, Figure 3 of each method's own runs, and
-    its mean reward per step."""
+    """figures.png: Figure 1 (a), (d) on a first batch, Figure 3 of each method's own runs, its
+    mean reward per step."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     bins = range(len(r["bins"]))
@@ -1439,7 +1439,7 @@ def kk_generate(n: int, num_people: int | tuple[int, int] = (3, 7), seed: int = 
     rows = []
     for _ in range(n):
         k = rng.randint(lo, hi)
-        for _try in range(10_000):  # (2-person puzzles run out after a few hundred)
+        for _try in range(10_000):  # (2-person puzzles run out after 399)
             statements = tuple(_kk_statement(rng, k, i) for i in range(k))
             solutions = [] if repr(statements) in seen else kk_solve(statements)
             if len(solutions) == 1:
@@ -1860,13 +1860,17 @@ STALLED_STEPS = 3  # steps in a row in which no group has spread: train says so
 
 
 def lopti_version() -> str:
-    """git's commit (-dirty: with changes), where there is one, and this file's sha256."""
+    """git's commit ("changed": this file differs), where there is one; this file's sha256."""
     import subprocess
     here = Path(__file__).resolve()
     digest = hashlib.sha256(here.read_bytes()).hexdigest()[:12]
-    git = ["git", "describe", "--always", "--dirty"]
-    described = subprocess.run(git, cwd=here.parent, capture_output=True, text=True).stdout
-    return f"{described.strip() or 'no git'}, lopti.py sha256 {digest}"
+    git = functools.partial(subprocess.run, cwd=here.parent, capture_output=True, text=True)
+    try:
+        commit = git(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        changed = git(["git", "status", "--porcelain", "--", here.name]).stdout.strip()
+    except OSError:  # no git
+        commit = changed = ""
+    return f"{commit or 'no git'}{' changed' if changed else ''}, lopti.py sha256 {digest}"
 
 
 def config_record(cfg: Config) -> dict:  # config.json's: settings, method, version
@@ -1877,7 +1881,7 @@ def config_record(cfg: Config) -> dict:  # config.json's: settings, method, vers
 
 
 def read_config(path: Path) -> dict:
-    """A config.json's Config fields (older runs': defaults); a file that holds none: ValueError."""
+    """A run's config.json, its Config fields (older runs': defaults), else one ValueError."""
     try:
         saved = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError) as e:
@@ -1893,8 +1897,7 @@ def write_json(path: Path, value) -> None:  # beside `path`, renamed: never half
     tmp.replace(path)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """A .jsonl file's records; a line torn by a crash is skipped."""
+def read_jsonl(path: Path) -> list[dict]:  # (a line torn by a crash is skipped)
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -2205,7 +2208,7 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     if needs_warm_up(cfg, cfg.model):
         warm_up(cfg, model, tokenizer, device, rows=warmup_puzzles(cfg, eval_rows))
     optimizer = make_optimizer(model, cfg)
-    result = {"settings": config_record(cfg), "model": cfg.model, "bins": BIN_NAMES}
+    result = {"settings": config_record(cfg), "bins": BIN_NAMES}
     units = []
 
     def figure1(batch: dict) -> None:  # in fp32 (no autocast), as its gradients sum in fp64
@@ -2532,7 +2535,7 @@ def resolve_config(args: dict) -> Config:
 
 
 def check_replaceable(path: Path, key: str, command: str) -> None:
-    """Before any work: `path` is new, or a JSON file with `key` that `command` wrote earlier."""
+    """Before any work: `path` is new, or JSON with `key` that `command` wrote earlier."""
     if not path.exists():
         return
     try:
