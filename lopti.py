@@ -618,8 +618,7 @@ def _require(settings, name: str, ok: bool, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}, got {getattr(settings, name)!r}")
 
 
-def people_range(spec: str) -> tuple[int, int]:
-    """'3-7' -> (3, 7); '5' -> (5, 5)."""
+def people_range(spec: str) -> tuple[int, int]:  # '3-7' -> (3, 7); '5' -> (5, 5)
     lo, _, hi = spec.partition("-")
     if not (lo.isdigit() and (hi.isdigit() or not hi)):
         raise ValueError(f"num_people must be 'lo-hi' or a number, e.g. '3-7', got {spec!r}")
@@ -727,7 +726,7 @@ def batched_logprobs(model, batch: dict, cfg: Config, device, rows: Tensor | Non
 
 
 def split_rows(rows: Tensor, size: int) -> list[Tensor]:
-    """Row indices in chunks of `size`; none for no rows (torch.split gives one empty chunk)."""
+    """Row indices in chunks of `size`; none for no rows (torch.split would give one, empty)."""
     return list(rows.split(size)) if len(rows) else []
 
 
@@ -879,8 +878,7 @@ def method_name(cfg: dict) -> str:
     return name
 
 
-def pool_counts(records: list[dict]) -> dict[str, list[int]]:
-    """update_counts of steps or runs, summed per bin."""
+def pool_counts(records: list[dict]) -> dict[str, list[int]]:  # summed per bin
     pooled = {}
     for key in UPDATE_KEYS:
         rows = [record.get(f"update/{key}", [0] * 4) for record in records]
@@ -1222,8 +1220,7 @@ def fmt_list(xs: list, spec: str = ".3f") -> str:
     return " / ".join("-" if x is None else format(x, spec) for x in xs)
 
 
-def toy_checks(r: dict) -> list[str]:
-    """The lines `lopti.py toy` prints."""
+def toy_checks(r: dict) -> list[str]:  # the lines `lopti.py toy` prints
     p = r["prop_4_2"]
     lo, hi = p["norm_over_rest"]
     holds = "yes" if p["within"] == p["tokens"] else "NO "
@@ -1278,8 +1275,7 @@ KK_SYSTEM_PROMPT = (  # Logic-RL's qwen-instruct prompt, verbatim: "and<answer>"
     "<answer> (1) Zoey is a knight\n(2) ... </answer>.\n")
 
 
-def kk_prompt(tokenizer, quiz: str) -> str:
-    """Logic-RL's prompt, byte for byte."""
+def kk_prompt(tokenizer, quiz: str) -> str:  # Logic-RL's, byte for byte
     system = {"role": "system", "content": KK_SYSTEM_PROMPT}
     messages = [system, {"role": "user", "content": quiz + "\n"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -1400,8 +1396,7 @@ def _kk_statement(rng: random.Random, n: int, speaker: int) -> tuple:
     return (("and", "or", "->", "<=>")[kind - 2], first, second)
 
 
-def _kk_text(names: list[str], statement: tuple) -> str:
-    """The benchmark's English for a statement."""
+def _kk_text(names: list[str], statement: tuple) -> str:  # the benchmark's English
     def leaf(x, negate=False):
         role = "knight" if x[0] == "telling-truth" else "knave"
         return f"{names[x[1]]} is {'not ' if negate else ''}a {role}"
@@ -1610,14 +1605,12 @@ def constant_accuracy(rows) -> float:
 
 
 def evaluation_rows(cfg: Config) -> datasets.Dataset:
-    """cfg.eval_size generated puzzles per size, from a seed of their own; or --eval_data's rows,
-    less those that --train_data (a file) holds, said."""
+    """cfg.eval_size generated puzzles per size, from a seed of their own, or --eval_data's rows:
+    none with a statement of --train_data (a file; dropped rows are said)."""
     import datasets
+    training = set(kk_load(cfg.train_data)["statements"]) if cfg.train_data != "generate" else ()
     if cfg.eval_data != "generate":
         evals = kk_load(cfg.eval_data)
-        if cfg.train_data == "generate":
-            return evals
-        training = set(kk_load(cfg.train_data)["statements"])
         kept = [i for i, s in enumerate(evals["statements"]) if s not in training]
         if not kept:
             raise ValueError("every --eval_data puzzle is also in --train_data")
@@ -1629,7 +1622,8 @@ def evaluation_rows(cfg: Config) -> datasets.Dataset:
     sizes = []
     for people in range(lo, hi + 1):
         try:
-            sizes.append(kk_generate(cfg.eval_size, people, seed=cfg.seed + 1_000_003 + people))
+            sizes.append(kk_generate(cfg.eval_size, people, seed=cfg.seed + 1_000_003 + people,
+                                     exclude=training))
         except ValueError as e:
             raise ValueError(f"--eval_size {cfg.eval_size}, {people} people: {e}") from None
     return datasets.concatenate_datasets(sizes)
@@ -1658,8 +1652,7 @@ def warmup_puzzles(cfg: Config, eval_rows) -> datasets.Dataset:
 
 
 def step_rows(num_rows: int, cfg: Config, step: int) -> list[int]:
-    """Step `step`'s rows (0-based): slices of per-epoch shuffles seeded by (seed, epoch), so
-    --resume replays them."""
+    """Step `step`'s rows (0-based), of per-epoch shuffles seeded by (seed, epoch): replayable."""
     rows = []
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
         shuffle = torch.Generator().manual_seed(cfg.seed * 100_003 + i // num_rows)  # the epoch's
@@ -1689,7 +1682,7 @@ def load_function(spec: str) -> Callable:
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-        return getattr(module, name)
+        return functools.reduce(getattr, name.split("."), module)
     except Exception as e:
         raise ValueError(f"--reward {spec}: cannot load it ({_first_line(e)})") from None
 
@@ -1720,8 +1713,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
                              fused=True)
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response (Qwen has two)."""
+def eos_token_ids(model, tokenizer) -> list[int]:  # (Qwen has two)
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     return sorted(set(ids + [tokenizer.eos_token_id]) - {None})
@@ -1792,8 +1784,7 @@ def load_tokenizer(name: str):
 
 
 def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
-    """The policy (checkpoint `start`, or cfg.model), its tokenizer, and the frozen reference,
-    cfg.model (None when beta = 0)."""
+    """Policy (checkpoint `start`, or cfg.model), tokenizer, frozen reference (None at beta 0)."""
     source = str(start or cfg.model)
     model = load_model(source, device)
     tokenizer = load_tokenizer(source)
@@ -1806,8 +1797,7 @@ def load_policy(cfg: Config, device: torch.device, start: Path | None = None):
     return model, tokenizer, ref_model
 
 
-def needs_warm_up(cfg: Config, source: str) -> bool:
-    """cfg.warmup_steps, unless `source` is a run's checkpoint (warmed up already)."""
+def needs_warm_up(cfg: Config, source: str) -> bool:  # (a run's checkpoint is warmed up)
     return cfg.warmup_steps > 0 and not (Path(source).expanduser() / "trainer_state.pt").exists()
 
 
@@ -1855,7 +1845,7 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, rows,
 # fall after a divergence. Not the evaluation's puzzles: the gain is paired.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "micro_batch_size",
                      "generation_batch_size", "gradient_checkpointing", "measure_update",
-                     "learning_rate", "output_dir", "report_to")
+                     "learning_rate", "output_dir", "report_to", "reward")
 STALLED_STEPS = 3  # steps in a row in which no group has spread: train says so
 
 
@@ -1876,7 +1866,8 @@ def lopti_version() -> str:
 def config_record(cfg: Config) -> dict:  # config.json's: settings, method, version
     settings = asdict(cfg)
     if callable(cfg.reward):
-        settings["reward"] = f"{cfg.reward.__module__}:{cfg.reward.__qualname__}"
+        name = getattr(cfg.reward, "__qualname__", type(cfg.reward).__name__)
+        settings["reward"] = f"{cfg.reward.__module__}:{name}"
     return {**settings, "method": method_name(settings), "version": lopti_version()}
 
 
@@ -1978,8 +1969,7 @@ def start_run_files(out: Path, cfg: Config, start: int) -> None:
     write_json(out / "config.json", config_record(cfg))
 
 
-def checkpoints(out: Path) -> list[Path]:
-    """A run's complete checkpoints, oldest first."""
+def checkpoints(out: Path) -> list[Path]:  # complete ones, oldest first
     complete = [p for p in out.glob("checkpoint-*") if p.name[11:].isdigit()]
     return sorted(complete, key=lambda p: int(p.name[11:]))
 
@@ -2001,8 +1991,7 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, step: int) -> Path:
 
 
 def load_trainer_state(ckpt: Path | None) -> dict:
-    """`ckpt`'s step, optimiser and RNG states ({"step": 0} if None); a torn file or a pickle that
-    would run code: one ValueError."""
+    """`ckpt`'s step, optimiser, RNG states ({"step": 0} if None); torn or unsafe: a ValueError."""
     if ckpt is None:
         return {"step": 0}
     try:
@@ -2029,6 +2018,12 @@ def due(every: int, step: int, cfg: Config) -> bool:
     return step == cfg.steps or bool(every and step % every == 0)
 
 
+def check_finite(model, step: int) -> None:
+    if not all(p.isfinite().all() for p in model.parameters()):
+        raise ValueError(f"step {step} diverged (non-finite weights), unsaved: lower "
+                         "--learning_rate (train: --resume from the last checkpoint)")
+
+
 class StopOnSignal:
     """A first Ctrl-C or SIGTERM sets `signum`; a second raises KeyboardInterrupt."""
 
@@ -2040,10 +2035,9 @@ class StopOnSignal:
 
     def on_signal(self, signum, frame):
         if self.signum:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(signum)
         self.signum = signum
-        name = signal.Signals(signum).name
-        print(f"\n{name}: finishing this step, then saving (again: abort)", flush=True)
+        print(f"\n{signal.Signals(signum).name}: finishing this step (again: abort)", flush=True)
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -2105,9 +2099,7 @@ class Run:
         self.exit_if_stopped(step)
 
     def end_step(self, step: int, rows, metrics: dict) -> None:
-        if not all(p.isfinite().all() for p in self.model.parameters()):
-            raise ValueError(f"step {step} diverged (non-finite weights) and was not saved: "
-                             "continue from its last checkpoint: --resume --learning_rate LOWER")
+        check_finite(self.model, step)
         samples = {"step": step, "quiz": rows["quiz"][0], "samples": metrics.pop("samples")}
         append_jsonl(self.out / "samples.jsonl", samples)
         self.log.write({"step": step, "learning_rate": self.cfg.learning_rate, **metrics})
@@ -2195,8 +2187,7 @@ def eval_main(cfg: Config) -> dict:
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     """Figure 1 (measure_bins) on the first batch; with `steps`, Figure 3 paired along a trajectory
     of cfg's method: train_step's probe tries every other method from the same weights
-    (paired_counts) before its own update. `out` is rewritten after every step; cfg.model is only
-    read."""
+    (paired_counts). `out` is rewritten after every step; cfg.model is only read."""
     cfg = dataclasses.replace(cfg, measure_update=True)
     own = method_name(asdict(cfg))
     if own not in METHODS or cfg.num_iterations != 1:
@@ -2204,6 +2195,7 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
     device = pick_device()
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = load_task_data(cfg)
+    reward_function(cfg.reward)
     model, tokenizer, ref_model = load_policy(cfg, device)
     if needs_warm_up(cfg, cfg.model):
         warm_up(cfg, model, tokenizer, device, rows=warmup_puzzles(cfg, eval_rows))
@@ -2232,6 +2224,7 @@ def diagnose(cfg: Config, steps: int, out: Path) -> dict:
         else:
             metrics = train_step(cfg, model, ref_model, tokenizer, optimizer, rows, device,
                                  probe=probe)
+            check_finite(model, step + 1)
             units[-1][own] = {k: v for k, v in metrics.items() if k.startswith("update/")}
             result["figure3_paired"] = figure3_paired(units)
         print(f"step {step + 1}: reward {metrics['reward']:.2f}, {time.perf_counter() - t0:.0f} s",
@@ -2256,8 +2249,7 @@ def figure3_paired(units: list[dict]) -> dict:
 # --- Reading runs: compare, plot
 
 
-def read_run(run: Path) -> tuple[dict, list[dict]]:
-    """A run folder's config.json and metrics.jsonl records."""
+def read_run(run: Path) -> tuple[dict, list[dict]]:  # config.json, metrics.jsonl
     if not (run / "config.json").is_file() or not (run / "metrics.jsonl").is_file():
         raise ValueError(f"{run} is not a folder written by lopti.py train (no config.json and "
                          "metrics.jsonl)")
@@ -2265,7 +2257,6 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
 
 
 def evaluations_by_step(records: list[dict]) -> dict[int, dict]:
-    """A run's evaluation records by step."""
     return {r["step"]: r for r in records if "eval/correct" in r}
 
 
@@ -2542,7 +2533,8 @@ def check_replaceable(path: Path, key: str, command: str) -> None:
         earlier = json.loads(path.read_text())
     except (ValueError, OSError):
         earlier = None
-    if not (isinstance(earlier, dict) and key in earlier):
+    toy = isinstance(earlier, dict) and "prop_4_2" in earlier  # (the toy's has a figure1 too)
+    if not (isinstance(earlier, dict) and key in earlier and toy == (command == "toy")):
         raise ValueError(f"{path} exists and is not {command}'s output: choose another --out")
 
 

@@ -340,7 +340,8 @@ def test_resume_refuses_a_changed_method_setting_before_writing(flag, value, tra
 MAY_CHANGE = {"steps": "3", "eval_every": "1", "save_every": "2", "eval_batch_size": "2", "micro_batch_size": "1",
               "generation_batch_size": "4",
               "gradient_checkpointing": "true", "measure_update": "false", "learning_rate": "1e-4",
-              "output_dir": None, "report_to": "tensorboard"}  # (output_dir: the run copied to another folder)
+              "output_dir": None, "report_to": "tensorboard",  # (output_dir: the run copied to another folder)
+              "reward": "lopti:kk_rewards"}  # (a function's record, module:name, may not load from the command line)
 
 
 def test_may_change_covers_resume_may_change():

@@ -544,3 +544,45 @@ def test_plot_of_a_checkpoint_says_it_is_not_a_run_even_without_matplotlib(run, 
     assert code(["plot", run.out / "checkpoint-3", "--out", tmp_path / "plot.png"]) == 2
     error_line(capsys, "lopti.py plot: error: ", "is not a folder written by lopti.py train")
     assert not (tmp_path / "plot.png").exists()
+
+
+# --- review fixes: a training file keeps generated evaluation puzzles out; reward objects; diagnose --out
+
+
+def test_generated_evaluation_puzzles_skip_a_training_files_statements(tmp_path):
+    """Guards evaluation_rows: with --train_data a file and the evaluation generated, no evaluation puzzle shares
+    its statements with a training row (2 people: 256 of the 399 that exist; a plain draw of 64 would share ~40)."""
+    rows = lopti.kk_generate(256, 2, seed=7).to_list()
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = Config(num_people="2", eval_size=64, train_data=str(train))
+    train_rows, evals = lopti.load_task_data(cfg)
+    assert len(evals) == 64 and not set(evals["statements"]) & set(train_rows["statements"])
+    plain = lopti.kk_generate(64, 2, seed=cfg.seed + 1_000_003 + 2)  # the draw without the exclusion
+    assert set(plain["statements"]) & set(train_rows["statements"])
+
+
+class CallableReward:
+    def __call__(self, completions, solutions):
+        return [1.0] * len(completions)
+
+    @staticmethod
+    def nested(completions, solutions):
+        return [2.0] * len(completions)
+
+
+def test_a_callable_object_reward_is_recorded_and_a_nested_name_loads():
+    """Guards config_record and load_function: an object with __call__ (or a functools.partial) has no __qualname__;
+    MODULE:Class.method resolves the dotted name."""
+    record = lopti.config_record(Config(reward=CallableReward()))
+    assert record["reward"] == f"{__name__}:CallableReward"
+    assert lopti.reward_function(f"{__name__}:CallableReward.nested")(["a"], ["b"]) == [2.0]
+
+
+def test_diagnose_out_never_replaces_the_toys_results(tmp_path, capsys):
+    """Guards check_replaceable: the toy's results.json holds a figure1 too, but it is not diagnose's output."""
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"figure1": {}, "prop_4_2": {}, "settings": {}}))
+    before = out.read_bytes()
+    assert code(["diagnose", "--out", out]) == 2
+    error_line(capsys, "is not diagnose's output")
+    assert out.read_bytes() == before
