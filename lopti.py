@@ -1526,7 +1526,7 @@ def _read_rows(path: Path) -> list:
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet
         return pyarrow.parquet.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is read, not refused)
+    text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark read too)
     if not text.strip():
         raise ValueError("the file is empty")
     if path.suffix.lower() == ".json":
@@ -1604,11 +1604,13 @@ def constant_accuracy(rows) -> float:
 # puzzles fall in 95 logical classes, so an evaluation shares classes with training)
 
 
-def evaluation_rows(cfg: Config) -> datasets.Dataset:
+def evaluation_rows(cfg: Config, train_rows=None) -> datasets.Dataset:
     """cfg.eval_size generated puzzles per size, from a seed of their own, or --eval_data's rows:
-    none with a statement of --train_data (a file; dropped rows are said)."""
+    none with a statement of a --train_data file (read unless given); dropped rows are said."""
     import datasets
-    training = set(kk_load(cfg.train_data)["statements"]) if cfg.train_data != "generate" else ()
+    if train_rows is None and cfg.train_data != "generate":
+        train_rows = kk_load(cfg.train_data)
+    training = set(train_rows["statements"]) if train_rows is not None else ()
     if cfg.eval_data != "generate":
         evals = kk_load(cfg.eval_data)
         kept = [i for i, s in enumerate(evals["statements"]) if s not in training]
@@ -1630,10 +1632,11 @@ def evaluation_rows(cfg: Config) -> datasets.Dataset:
 
 
 def load_task_data(cfg: Config):
-    """Training and evaluation rows; generated training skips the evaluation's statements."""
-    evals = evaluation_rows(cfg)
+    """Training and evaluation rows; generated training skips the evaluation's puzzles."""
     if cfg.train_data != "generate":
-        return kk_load(cfg.train_data), evals
+        train_rows = kk_load(cfg.train_data)
+        return train_rows, evaluation_rows(cfg, train_rows)
+    evals = evaluation_rows(cfg)
     up_to = cfg.num_train == Config.num_train  # the default: all there are, where fewer exist
     try:
         train_rows = kk_generate(cfg.num_train, people_range(cfg.num_people), cfg.seed,
@@ -1839,7 +1842,7 @@ def warm_up(cfg: Config, model, tokenizer, device: torch.device, rows,
         optimizer.zero_grad(set_to_none=True)
 
 
-# --- Run files: config.json with the version, logs, checkpoints, resume and signals
+# --- Run files: config.json, logs, checkpoints, resume, signals
 
 # What --resume may change. Memory settings keep the steps (up to rounding); the learning rate may
 # fall after a divergence. Not the evaluation's puzzles: the gain is paired.
@@ -1882,7 +1885,7 @@ def read_config(path: Path) -> dict:
     return {f.name: saved.get(f.name, f.default) for f in fields(Config)}
 
 
-def write_json(path: Path, value) -> None:  # beside `path`, renamed: never half a file
+def write_json(path: Path, value) -> None:  # written beside, renamed: never half a file
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=1) + "\n")
     tmp.replace(path)
@@ -1924,7 +1927,7 @@ class MetricsLog:
                 self.writer.add_text(key, value, global_step=record["step"])
             values = value if isinstance(value, list) else [value]
             for i, number in enumerate(values):
-                if key != "step" and type(number) in (int, float):  # (not None, bool or text)
+                if key != "step" and type(number) in (int, float):  # (no None, bool, text)
                     tag = f"{key}/{i}" if isinstance(value, list) else key
                     self.writer.add_scalar(tag, number, global_step=record["step"])
         self.writer.flush()
@@ -2075,7 +2078,7 @@ class Run:
                     rows=warmup_puzzles(cfg, self.eval_rows), stop=stop)
             self.save(0)  # the warm-up is kept: checkpoint-0
         self.log = MetricsLog(out, cfg, first_step=self.start)
-        self.stalled = 0  # steps in a row without spread (STALLED_STEPS)
+        self.stalled = 0
         self.progress = tqdm(initial=self.start, total=cfg.steps, desc="train")
 
     def __enter__(self):
@@ -2175,13 +2178,13 @@ def paired_gain(before: str, after: str) -> dict:
 def eval_main(cfg: Config) -> dict:
     device = pick_device()
     eval_rows = evaluation_rows(cfg)
-    reward_function(cfg.reward)  # a bad --reward: one line before the model loads
+    reward_function(cfg.reward)  # (before the model loads)
     model = load_model(cfg.model, device)
     tokenizer = load_tokenizer(cfg.model)
     return evaluate(model, tokenizer, eval_rows, cfg, device)
 
 
-# --- diagnose: Figure 1 on a first batch, Figure 3 paired along a trajectory
+# --- diagnose: Figure 1, Figure 3 paired
 
 
 def diagnose(cfg: Config, steps: int, out: Path) -> dict:
@@ -2503,7 +2506,7 @@ def resolve_config(args: dict) -> Config:
     eval of a run's checkpoint (RUN/checkpoint-N), which then scores the run's own puzzles."""
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     base = PRESETS[args["preset"]] if "preset" in args else {}
-    if args["command"] == "eval":  # of a run's checkpoint: the run's settings
+    if args["command"] == "eval":  # a run's checkpoint: its run's settings
         model = Path(explicit.get("model", Config.model)).expanduser()
         run = model.parent
         from_run = (model / "trainer_state.pt").is_file() and (run / "config.json").is_file()
@@ -2545,7 +2548,7 @@ def toy_main(args: argparse.Namespace) -> dict:
     out = args.out or Path("runs/toy")
     check_replaceable(out / "results.json", "prop_4_2", "toy")
     if (out / "figures.png").exists() and not (out / "results.json").exists():
-        check_replaceable(out / "figures.png", "prop_4_2", "toy")  # (a figure of another program)
+        check_replaceable(out / "figures.png", "prop_4_2", "toy")
     threads = torch.get_num_threads()
     t0 = time.time()
     torch.set_num_threads(1)  # faster for small matrices; the same float sums on every machine
