@@ -93,3 +93,13 @@ def fixed_rewards(monkeypatch, values) -> None:
 
     r = torch.tensor(values, dtype=torch.float)
     monkeypatch.setattr(lopti, "kk_rewards", lambda texts, solutions: r.clone())
+
+
+def exit_code(argv) -> int:
+    """`python lopti.py ARGV`'s exit code, run through main (argparse's exit included)."""
+    import lopti
+
+    try:
+        return lopti.main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code

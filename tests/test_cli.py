@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lopti
-from conftest import varied_reward
+from conftest import exit_code, varied_reward
 from lopti import Config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,13 +42,6 @@ def use_rewards(monkeypatch, function) -> None:
 def parsed(argv: list[str]) -> dict:
     """What `python lopti.py ARGV` parses, as resolve_config takes it."""
     return vars(lopti.build_parser().parse_args([str(a) for a in argv]))
-
-
-def exit_code(argv) -> int:
-    try:
-        return lopti.main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code
 
 
 def one_line(capsys, *words) -> str:

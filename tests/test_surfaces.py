@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import lopti
-from conftest import tiny_config
+from conftest import exit_code, tiny_config
 from lopti import Config
 
 # = conftest's tiny_config, as flags; eval_every 0 and save_every 0: evaluated and saved at step 0 / the last step
@@ -51,14 +51,6 @@ def always_correct(completions, solutions):
 def nan_reward(completions, solutions):
     return [float("nan")] + [1.0] * (len(completions) - 1)
 '''
-
-
-def code(argv) -> int:
-    """`python lopti.py ARGV`'s exit code, run through main."""
-    try:
-        return lopti.main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code
 
 
 def error_line(capsys, *words) -> str:
@@ -103,7 +95,7 @@ def run(tiny_model_dir, reward_file, tmp_path_factory) -> SimpleNamespace:
     out = tmp_path_factory.mktemp("surfaces") / "run"
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = code(["train", "--model", tiny_model_dir, "--output_dir", out, *TINY_FLAGS, "--steps", "3",
+        rc = exit_code(["train", "--model", tiny_model_dir, "--output_dir", out, *TINY_FLAGS, "--steps", "3",
                    "--seed", "1", "--reward", f"{reward_file}:constant"])
     return SimpleNamespace(out=out, rc=rc, err=err.getvalue(), reward=f"{reward_file}:constant")
 
@@ -159,7 +151,7 @@ def test_a_train_run_with_a_nan_reward_file_exits_2_in_one_line_and_saves_nothin
     """Guards train --reward FILE.py:FUNCTION with a NaN: exit 2, one line naming the function, no checkpoint (a NaN
     reward never trains nothing in silence)."""
     out = tmp_path / "run"
-    assert code(["train", "--model", tiny_model_dir, "--output_dir", out, *TINY_FLAGS, "--steps", "1",
+    assert exit_code(["train", "--model", tiny_model_dir, "--output_dir", out, *TINY_FLAGS, "--steps", "1",
                  "--reward", f"{reward_file}:nan_reward"]) == 2
     error_line(capsys, ": error: ", "nan_reward", "finite")
     assert not list(out.glob("checkpoint-*"))
@@ -209,7 +201,7 @@ def test_eval_with_a_module_reward_scores_by_it(tiny_model_dir, tmp_path, monkey
     """Guards --reward MODULE:FUNCTION: a module on sys.path whose reward is always 3.0 makes every puzzle correct."""
     (tmp_path / "surfaces_reward_module.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert code(["eval", "--model", tiny_model_dir, *EVAL_FLAGS,
+    assert exit_code(["eval", "--model", tiny_model_dir, *EVAL_FLAGS,
                  "--reward", "surfaces_reward_module:always_correct"]) == 0
     result = printed_json(capsys.readouterr().out)
     assert result["eval/accuracy"] == 1.0 and result["eval/correct"] == "11"
@@ -223,7 +215,7 @@ def test_a_bad_reward_spec_is_one_line_and_writes_nothing(spec, tiny_model_dir, 
     spec = spec.replace("REWARDS", str(reward_file))
     spec = str(tmp_path / spec) if spec.startswith("missing") else spec
     out = tmp_path / "run"
-    assert code(["train", "--model", tiny_model_dir, "--output_dir", out, *TINY_FLAGS, "--reward", spec]) == 2
+    assert exit_code(["train", "--model", tiny_model_dir, "--output_dir", out, *TINY_FLAGS, "--reward", spec]) == 2
     error_line(capsys, ": error: ", "reward")
     assert not out.exists()
 
@@ -237,11 +229,11 @@ def test_eval_of_a_checkpoint_scores_its_runs_puzzles(run, capsys):
     assert run.rc == 0, run.err
     logged = [r for r in read_jsonl(run.out / "metrics.jsonl") if "eval/puzzles" in r]
     assert [r["step"] for r in logged] == [0, 3]
-    assert code(["eval", "--model", run.out / "checkpoint-3"]) == 0
+    assert exit_code(["eval", "--model", run.out / "checkpoint-3"]) == 0
     own = printed_json(capsys.readouterr().out)
     assert own["eval/puzzles"] == logged[-1]["eval/puzzles"] == logged[0]["eval/puzzles"]
     assert own["eval/correct"] == logged[-1]["eval/correct"]
-    assert code(["eval", "--model", run.out / "checkpoint-3", "--seed", "0"]) == 0
+    assert exit_code(["eval", "--model", run.out / "checkpoint-3", "--seed", "0"]) == 0
     assert printed_json(capsys.readouterr().out)["eval/puzzles"] != own["eval/puzzles"]
 
 
@@ -252,7 +244,7 @@ def test_a_missing_local_model_is_no_such_folder(command, model, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     model = str(tmp_path / "nope") if model == "ABSOLUTE" else model
     flags = EVAL_FLAGS if command == "eval" else [*TINY_FLAGS, "--output_dir", tmp_path / "out"]
-    assert code([command, "--model", model, *flags]) == 2
+    assert exit_code([command, "--model", model, *flags]) == 2
     error_line(capsys, ": error: ", "no such folder", model)
 
 
@@ -269,7 +261,7 @@ def test_train_with_a_model_that_does_not_load_writes_nothing(kind, tmp_path, ca
     out = tmp_path / "out"
     if kind == "empty folder":
         out.mkdir()
-    assert code(["train", "--model", model, "--output_dir", out, *TINY_FLAGS]) == 2
+    assert exit_code(["train", "--model", model, "--output_dir", out, *TINY_FLAGS]) == 2
     error_line(capsys, ": error: ", str(model))
     assert (not out.exists()) if kind == "missing" else not any(out.iterdir())
 
@@ -283,9 +275,9 @@ def test_a_torn_checkpoint_is_one_line_for_eval_and_resume(run, tmp_path, capsys
     weights = torn / "checkpoint-3" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     before = digest(torn)
-    assert code(["eval", "--model", torn / "checkpoint-3"]) == 2
+    assert exit_code(["eval", "--model", torn / "checkpoint-3"]) == 2
     error_line(capsys, "lopti.py eval: error: ", "checkpoint-3")
-    assert code(["train", "--resume", "--output_dir", torn, "--steps", "4"]) == 2
+    assert exit_code(["train", "--resume", "--output_dir", torn, "--steps", "4"]) == 2
     error_line(capsys, "lopti.py train: error: ", "checkpoint-3")
     assert digest(torn) == before
 
@@ -315,7 +307,7 @@ def test_compare_of_a_run_whose_config_holds_no_settings_names_the_file(text, tm
     bad = fake_run(tmp_path / "bad", [0])
     (bad / "config.json").write_text(text)
     good = fake_run(tmp_path / "good", [0])
-    assert code(["compare", bad, good]) == 2
+    assert exit_code(["compare", bad, good]) == 2
     error_line(capsys, "lopti.py compare: error: ", str(bad / "config.json"))
 
 
@@ -324,7 +316,7 @@ def test_compare_compares_the_last_common_step_and_says_it_is_not_the_last_of_ea
     last evaluation."""
     a = fake_run(tmp_path / "a", [0, 2], seed=0)
     b = fake_run(tmp_path / "b", [0, 3], correct=("0111", "1111"), seed=1)
-    assert code(["compare", a, b]) == 0
+    assert exit_code(["compare", a, b]) == 0
     out = capsys.readouterr().out
     assert "note: step 0 is the last step both evaluated, not the last of each (2, 3)" in out
     assert "accuracy 0.500 at step 0" in out and "accuracy 0.750 at step 0" in out
@@ -334,7 +326,7 @@ def test_compare_refuses_runs_whose_records_lack_eval_puzzles(tmp_path, capsys):
     """Guards compare_runs: without eval/puzzles, equal settings no longer stand in for the same puzzles."""
     a = fake_run(tmp_path / "a", [0, 2], puzzles=None)
     b = fake_run(tmp_path / "b", [0, 2], puzzles=None)
-    assert code(["compare", a, b]) == 2
+    assert exit_code(["compare", a, b]) == 2
     error_line(capsys, "lopti.py compare: error: ", "eval/puzzles")
 
 
@@ -382,7 +374,7 @@ def test_resume_after_the_eval_data_changed_is_refused_in_one_line(run, tmp_path
     write_jsonl(resumed / "metrics.jsonl", records)
     write_jsonl(eval_file, [rows[0], lopti.kk_generate(1, 3, seed=8).to_list()[0]])  # edited
     before = digest(resumed)
-    assert code(["train", "--resume", "--output_dir", resumed, "--steps", "4"]) == 2
+    assert exit_code(["train", "--resume", "--output_dir", resumed, "--steps", "4"]) == 2
     error_line(capsys, "lopti.py train: error: ", "--resume", "--eval_data")
     assert digest(resumed) == before
 
@@ -397,14 +389,14 @@ def test_toy_refuses_an_out_folder_holding_another_programs_results(files, tmp_p
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     before = digest(tmp_path)
-    assert code(["toy", "--quick", "--out", tmp_path]) == 2
+    assert exit_code(["toy", "--quick", "--out", tmp_path]) == 2
     error_line(capsys, "lopti.py toy: error: ", str(tmp_path / next(iter(files))))
     assert digest(tmp_path) == before
 
 
 def test_toy_results_record_the_version_and_settings(tmp_path, capsys):
     """Guards toy_main: results.json holds the version and every ToySettings value it ran with."""
-    assert code(["toy", "--quick", "--out", tmp_path]) == 0
+    assert exit_code(["toy", "--quick", "--out", tmp_path]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["settings"] == dataclasses.asdict(lopti.ToySettings(**lopti.TOY_QUICK))
     assert "lopti.py sha256" in result["version"]
@@ -434,7 +426,7 @@ def test_names_equal_but_for_case_are_refused_naming_file_row_and_field(tiny_mod
         renamed[field] = text.replace("@0@", "Amelia").replace("@1@", "amelia")
     renamed["names"] = ["Amelia", "amelia"]
     path = write_jsonl(tmp_path / "case.jsonl", [renamed])
-    assert code(["eval", "--model", tiny_model_dir, *EVAL_FLAGS, "--eval_data", path]) == 2
+    assert exit_code(["eval", "--model", tiny_model_dir, *EVAL_FLAGS, "--eval_data", path]) == 2
     error_line(capsys, "lopti.py eval: error: ", str(path), "row 1", "solution_text_format")
 
 
@@ -458,7 +450,7 @@ def test_a_file_with_a_byte_order_mark_loads(suffix, tmp_path):
 def test_more_evaluation_puzzles_than_exist_names_eval_size(command, tiny_model_dir, tmp_path, capsys):
     """Guards evaluation_rows: 400 2-person puzzles do not exist (399 do): the error names --eval_size."""
     flags = ["--output_dir", tmp_path / "out"] if command == "train" else []
-    assert code([command, "--model", tiny_model_dir, "--eval_size", "400", "--num_people", "2", *flags]) == 2
+    assert exit_code([command, "--model", tiny_model_dir, "--eval_size", "400", "--num_people", "2", *flags]) == 2
     error_line(capsys, ": error: ", "--eval_size 400")
 
 
@@ -541,7 +533,7 @@ def test_plot_of_a_checkpoint_says_it_is_not_a_run_even_without_matplotlib(run, 
     no run folder rather than matplotlib being missing."""
     assert run.rc == 0, run.err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
-    assert code(["plot", run.out / "checkpoint-3", "--out", tmp_path / "plot.png"]) == 2
+    assert exit_code(["plot", run.out / "checkpoint-3", "--out", tmp_path / "plot.png"]) == 2
     error_line(capsys, "lopti.py plot: error: ", "is not a folder written by lopti.py train")
     assert not (tmp_path / "plot.png").exists()
 
@@ -583,6 +575,6 @@ def test_diagnose_out_never_replaces_the_toys_results(tmp_path, capsys):
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"figure1": {}, "prop_4_2": {}, "settings": {}}))
     before = out.read_bytes()
-    assert code(["diagnose", "--out", out]) == 2
+    assert exit_code(["diagnose", "--out", out]) == 2
     error_line(capsys, "is not diagnose's output")
     assert out.read_bytes() == before
