@@ -2109,8 +2109,8 @@ class Run:
         self.stalled = self.stalled + 1 if metrics["zero_std_groups"] == 1 else 0
         if self.stalled == STALLED_STEPS:
             print(f"\nnote: steps {step - STALLED_STEPS + 1}-{step}: in every group all samples "
-                  "scored alike (no advantage): the run has stopped learning; try a higher "
-                  "--temperature or --num_generations", file=sys.stderr)
+                  "scored alike (no advantage): the run has stopped learning (README: "
+                  "Troubleshooting)", file=sys.stderr)
         if due(self.cfg.save_every, step, self.cfg) or self.stop.signum:
             self.save(step)
         self.progress.update()
