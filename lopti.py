@@ -1852,6 +1852,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "eval_batch_size", "mi
 STALLED_STEPS = 3  # steps in a row in which no group has spread: train says so
 
 
+@functools.cache  # (once a process)
 def lopti_version() -> str:
     """git's commit ("changed": this file differs), where there is one; this file's sha256."""
     import subprocess
@@ -2506,7 +2507,7 @@ def resolve_config(args: dict) -> Config:
     eval of a run's checkpoint (RUN/checkpoint-N), which then scores the run's own puzzles."""
     explicit = {f.name: args[f.name] for f in fields(Config) if f.name in args}
     base = PRESETS[args["preset"]] if "preset" in args else {}
-    if args["command"] == "eval":  # a run's checkpoint: its run's settings
+    if args["command"] == "eval":
         model = Path(explicit.get("model", Config.model)).expanduser()
         run = model.parent
         from_run = (model / "trainer_state.pt").is_file() and (run / "config.json").is_file()
