@@ -2,7 +2,8 @@
 MODULE:FUNCTION, Config(reward=f)), the stall note, eval of a checkpoint on its run's puzzles, refused inputs that
 write nothing (a missing or non-model --model, a torn checkpoint, an edited --eval_data under --resume, a folder
 holding another program's results), compare's files and steps, --eval_data shared with --train_data, names equal but
-for case, byte-order marks, diagnose under SIGTERM, and the settings and version that result files record.
+for case, byte-order marks, diagnose under SIGTERM, and the settings and version that result files record (the
+committed laptop runs too).
 
 Each test names what it guards; each fails on the code before these behaviours (see the report that came with it).
 One trained tiny run (`run`, 3 steps, a constant reward from a file) and one stopped diagnose (`stopped_diagnose`)
@@ -408,6 +409,29 @@ def test_config_json_records_the_version(run):
     saved = json.loads((run.out / "config.json").read_text())
     assert {f.name for f in dataclasses.fields(Config)} <= set(saved)
     assert "lopti.py sha256" in saved["version"] and saved["method"]
+
+
+def test_the_committed_laptop_runs_record_how_they_were_made_and_compare_as_toy_readme_quotes(
+        monkeypatch, capsys):
+    """Guards the evidence in toy/laptop/: each run's config.json names its method and one shared version, each
+    evaluation its puzzles; compare of the seed-0 runs needs no legacy path and prints the verdicts toy/README quotes."""
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    runs = sorted(p for p in Path("toy/laptop").iterdir() if (p / "config.json").exists())
+    versions = set()
+    for run in runs:
+        cfg = json.loads((run / "config.json").read_text())
+        assert cfg["method"] == lopti.method_name(cfg) and "lopti.py sha256" in cfg["version"]
+        versions.add(cfg["version"])
+        evaluations = [r for r in lopti.read_jsonl(run / "metrics.jsonl") if "eval/correct" in r]
+        assert [r["step"] for r in evaluations] == [0, 10, 20], run
+        assert all(r["eval/puzzles"] for r in evaluations)
+    assert len(runs) >= 4 and len(versions) == 1
+    readme = (root / "toy" / "README.md").read_text()
+    for other in ("lopti_s0", "arlopti_s0"):
+        lopti.compare_runs(Path("toy/laptop/grpo2_s0"), Path("toy/laptop") / other)
+        verdict = capsys.readouterr().out.splitlines()[-1]  # second minus first: ...
+        assert f"python lopti.py compare toy/laptop/grpo2_s0 toy/laptop/{other}\n# {verdict}\n" in readme
 
 
 # --- 11. names equal but for case; byte-order marks

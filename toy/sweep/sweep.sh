@@ -1,9 +1,12 @@
 #!/bin/bash
 # Stopped after `run base` (GRPO, 16:55): sweep2.sh ran the preset's method, AR+Lopti, instead.
 # settings in priority order; 3 seeds each; GRPO; 8 steps; eval at 0 and 8
+here=$(dirname "$(readlink -f "$0")")
 cd /tmp/sweep
 for s in 0 1 2; do
-  [ -d warm/s$s/checkpoint-0 ] || python warm.py $s warm/s$s > logs/warm_s$s.log 2>&1
+  # ran as warm.py (509fa52), which is toy/laptop/warm.py with its model path written in
+  [ -d warm/s$s/checkpoint-0 ] ||
+    python "$here/../laptop/warm.py" /tmp/smol135 $s warm/s$s > logs/warm_s$s.log 2>&1
 done
 run() { name=$1; shift
   for s in 0 1 2; do
